@@ -1,0 +1,9 @@
+"""The one exception type for user-facing configuration mistakes.
+
+Entry points catch it and print its message as a single sentence instead of a traceback.
+It lives here, in the lowest package, because routing, backbones and train all raise it.
+"""
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message names the key and the fix."""

@@ -1,0 +1,65 @@
+"""The block runner every backbone uses; applies TREAD routes over any block stack.
+
+At a route start the full sequence is kept aside and the policy's subset is gathered; blocks
+start..end run on the subset only; at the route end the processed tokens are scattered back into
+the kept-aside sequence out of place, so bypassing tokens rejoin unchanged and gradients reach all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from routing.policy import Grid, NoRouting, RoutingPolicy
+from routing.route import Route
+
+
+class Router:
+    def __init__(
+        self,
+        policy: RoutingPolicy | None = None,
+        routes: Sequence[Route] = (),
+        *,
+        force: bool = False,
+        fp32_after_route: bool = False,
+    ):
+        self.policy = policy or NoRouting()
+        self.routes = list(routes)
+        self.force = force  # route in eval mode too (experiments); TREAD routes only while training
+        self.fp32_after_route = fp32_after_route
+        self.generator: torch.Generator | None = None  # set by the trainer: per-rank, per-step seeded
+        self.last_masks: list[torch.Tensor] = []  # per route, (B, N) bool of processed tokens
+
+    def run(self, blocks: nn.ModuleList, x: torch.Tensor, c: torch.Tensor, grid: Grid, training: bool) -> torch.Tensor:
+        """x: (B, N, D) tokens in raster order on `grid`; c: (B, D). Returns (B, N, D)."""
+        self.last_masks = []
+        routes = {r.start_layer_idx: r for r in self.routes} if (training or self.force) else {}
+        i, depth = 0, len(blocks)
+        while i < depth:
+            route = routes.get(i)
+            if route is None:
+                x = blocks[i](x, c, grid)
+                i += 1
+                continue
+            x = self._run_route(blocks, route, x, c, grid)
+            i = route.end_layer_idx + 1
+            if self.fp32_after_route and i < depth:
+                # TREAD's note: under bf16 the first block after a route can be unstable; run it in fp32.
+                with torch.autocast(device_type=x.device.type, enabled=False):
+                    x = blocks[i](x.float(), c.float(), grid)
+                i += 1
+        return x
+
+    def _run_route(self, blocks, route: Route, x, c, grid):
+        sel = self.policy.select(x, grid, route.selection_ratio, self.generator)
+        b, n, d = x.shape
+        index = sel.indices[:, :, None].expand(-1, -1, d)  # (B, K) -> (B, K, D)
+        x_sub = x.gather(1, index)  # (B, K, D)
+        for j in range(route.start_layer_idx, route.end_layer_idx + 1):
+            x_sub = blocks[j](x_sub, c, sel.grid)
+        mask = torch.zeros(b, n, dtype=torch.bool, device=x.device).scatter_(1, sel.indices, True)
+        self.last_masks.append(mask)
+        # Out of place: `x` itself stays in the autograd graph, so bypassing tokens get gradients too.
+        return x.scatter(1, index, x_sub.to(x.dtype))

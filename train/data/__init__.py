@@ -1,0 +1,25 @@
+"""Dataset registry. Every dataset offers num_classes, shape (C, H, W), __len__,
+get(indices, generator) -> (x in model space, labels) and to_images(x) -> [0, 1] images for grids."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from routing.errors import ConfigError
+
+
+def build_dataset(cfg_data: DictConfig, sigma_data: float):
+    name = cfg_data.name
+    if name == "digits":
+        from train.data.embedded import digits
+
+        return digits(resolution=cfg_data.resolution)
+    if name == "shapes":
+        from train.data.embedded import shapes
+
+        return shapes(resolution=cfg_data.resolution, num_images=cfg_data.num_images, seed=cfg_data.seed)
+    if name == "latents":
+        from train.data.latents import build
+
+        return build(cfg_data, sigma_data)
+    raise ConfigError(f"data.name='{name}' is unknown; choose data=digits, data=shapes or data=latents.")

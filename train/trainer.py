@@ -1,0 +1,195 @@
+"""The training loop: EDM loss on any backbone with TREAD routing, on HF accelerate.
+
+Randomness is counter-based: the noise, noise levels, label drops and data order of step s come from
+generators seeded by (seed, s), drawn for the whole global batch and sliced per process. So a resumed run
+repeats an uninterrupted one exactly, and N processes see the same global batch as one process.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from omegaconf import DictConfig, OmegaConf
+from timm.utils import ModelEmaV3
+from tqdm.auto import tqdm
+
+from edm import EDMLoss, LogNormalSigma, reduce_loss
+from routing import ConfigError
+from train.build import build_net
+from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from train.data import build_dataset
+from train.grid import generate, grid_labels, save_grid
+from train.logger import MetricsLogger
+
+
+def seeded(*keys: int) -> torch.Generator:
+    """A CPU generator determined by integer keys (seed, step, ...)."""
+    return torch.Generator().manual_seed(hash(tuple(keys)) % (2**63))
+
+
+def global_indices(seed: int, step: int, batch: int, n: int) -> torch.Tensor:
+    """Dataset indices of step `step`'s global batch: consecutive slices of one permutation per epoch."""
+    positions = torch.arange(step * batch, (step + 1) * batch)
+    epochs = positions // n
+    out = torch.empty(batch, dtype=torch.long)
+    for epoch in epochs.unique().tolist():
+        perm = torch.randperm(n, generator=seeded(seed, epoch, 1))
+        here = epochs == epoch
+        out[here] = perm[positions[here] % n]
+    return out
+
+
+def check_config(cfg: DictConfig, num_processes: int) -> None:
+    t = cfg.trainer
+    per_step = num_processes * t.grad_accum
+    if t.batch_size % per_step:
+        raise ConfigError(
+            f"trainer.batch_size={t.batch_size} is not divisible by {num_processes} processes x trainer.grad_accum={t.grad_accum}; "
+            f"choose a multiple of {per_step}."
+        )
+    if cfg.edm.loss not in ("plain", "route_aware"):
+        raise ConfigError(f"edm.loss='{cfg.edm.loss}' is unknown; choose plain or route_aware.")
+    if not 0 <= cfg.edm.label_dropout < 1:
+        raise ConfigError(f"edm.label_dropout={cfg.edm.label_dropout} must be in [0, 1).")
+
+
+class Trainer:
+    def __init__(self, cfg: DictConfig, accelerator: Accelerator | None = None):
+        self.cfg = cfg
+        t = cfg.trainer
+        self.acc = accelerator or Accelerator(
+            cpu=t.cpu, mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.grad_accum
+        )
+        check_config(cfg, self.acc.num_processes)
+        self.run_dir = Path(cfg.run_dir)
+        self.dataset = build_dataset(cfg.data, cfg.edm.sigma_data)
+        if len(self.dataset) == 0:
+            raise ConfigError(f"data.name='{cfg.data.name}' has no samples; check data.path.")
+        set_seed(cfg.seed)  # identical initial weights on every process and every run with this seed
+        net = build_net(cfg, self.dataset)
+        self.backbone = net.model
+        self.micro_batch = t.batch_size // (self.acc.num_processes * t.grad_accum)
+        self.sigma_dist = LogNormalSigma(cfg.edm.P_mean, cfg.edm.P_std)
+        self.loss_fn = EDMLoss(cfg.edm.sigma_data)
+        optimizer = torch.optim.AdamW(net.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+        self.ema = ModelEmaV3(net, decay=t.ema_decay, use_warmup=t.ema_warmup, device=self.acc.device)
+        self.net, self.optimizer = self.acc.prepare(net, optimizer)
+        self.step = 0
+        self._maybe_resume()
+        self.logger = MetricsLogger(self.run_dir, self.acc.is_main_process, resume_step=self.step)
+
+    # Set-up.
+
+    def _maybe_resume(self) -> None:
+        resume = self.cfg.resume
+        if not resume:
+            return
+        ckpt_root = self.run_dir / "checkpoints"
+        path = latest_checkpoint(ckpt_root) if resume in (True, "auto", "latest") else Path(str(resume))
+        if path is None:
+            if resume == "auto":
+                return
+            raise ConfigError(f"resume={resume} but {ckpt_root} holds no checkpoint; drop resume= or point run_dir= at the run to continue.")
+        state = load_checkpoint(path, self.cfg)
+        try:
+            self.acc.unwrap_model(self.net).load_state_dict(state["model"])
+            self.ema.module.load_state_dict(state["ema"])
+        except RuntimeError as err:
+            raise ConfigError(f"checkpoint '{path}' does not fit this model ({str(err).splitlines()[0]}); resume with the config it was trained with.") from err
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        self.step = state["step"]
+        self.acc.print(f"resumed from {path} at step {self.step}")
+
+    # One optimizer step.
+
+    def train_step(self) -> float:
+        cfg, acc = self.cfg, self.acc
+        G, b = cfg.trainer.batch_size, self.micro_batch
+        # Draw the whole global batch's randomness, then take this process's slices.
+        g = seeded(cfg.seed, self.step, 0)
+        indices = global_indices(cfg.seed, self.step, G, len(self.dataset))
+        sigma_all = self.sigma_dist(G, g)
+        noise_all = torch.randn(G, *self.dataset.shape, generator=g)
+        drop_all = torch.rand(G, generator=g) < cfg.edm.label_dropout
+        losses = []
+        for micro in range(cfg.trainer.grad_accum):
+            start = (micro * acc.num_processes + acc.process_index) * b
+            part = slice(start, start + b)
+            y, labels = self.dataset.get(indices[part], seeded(cfg.seed, self.step, 2, start))
+            labels = torch.where(drop_all[part], self.dataset.num_classes, labels)  # null class for CFG
+            self.backbone.router.generator = seeded(cfg.seed, self.step, 3, start)
+            with acc.accumulate(self.net):
+                with acc.autocast():
+                    per_elem = self.loss_fn(self.net, y.to(acc.device), labels.to(acc.device), sigma_all[part].to(acc.device), noise_all[part].to(acc.device))
+                    masks = self.backbone.route_masks() if cfg.edm.loss == "route_aware" else None
+                    loss = reduce_loss(per_elem, masks)
+                acc.backward(loss)
+                if acc.sync_gradients and cfg.trainer.grad_clip:
+                    acc.clip_grad_norm_(self.net.parameters(), cfg.trainer.grad_clip)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        self.step += 1
+        self.ema.update(self.acc.unwrap_model(self.net), step=self.step)
+        return acc.reduce(torch.stack(losses).mean(), reduction="mean").item()
+
+    # The loop.
+
+    def fit(self) -> list[float]:
+        cfg, t = self.cfg, self.cfg.trainer
+        if self.acc.is_main_process:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        params = sum(p.numel() for p in self.backbone.parameters())
+        self.acc.print(f"{cfg.backbone.name}-{cfg.backbone.preset}/{cfg.backbone.patch_size} ({params / 1e6:.2f}M params), "
+                       f"routing={cfg.routing.policy}, data={cfg.data.name} {tuple(self.dataset.shape)}, "
+                       f"{self.acc.num_processes} process(es) on {self.acc.device}, run_dir={self.run_dir}")
+        losses = []
+        budget = t.max_minutes * 60 if t.max_minutes else math.inf
+        began = time.perf_counter()
+        bar = tqdm(total=t.max_steps, initial=self.step, disable=not self.acc.is_main_process, desc="train", dynamic_ncols=True)
+        while self.step < t.max_steps:
+            tic = time.perf_counter()
+            loss = self.train_step()
+            seconds = time.perf_counter() - tic
+            losses.append(loss)
+            images_per_s = t.batch_size / seconds
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{images_per_s:.0f}")
+            last = self.step == t.max_steps or time.perf_counter() - began > budget
+            if self.step % t.log_every == 0 or last:
+                self.logger.log(self.step, {"loss": loss, "images_per_s": images_per_s, "seconds": time.perf_counter() - began})
+            if t.sample_every and (self.step % t.sample_every == 0 or last):
+                self.sample_grid()
+            if t.ckpt_every and (self.step % t.ckpt_every == 0 or last):
+                self.save()
+            if last:
+                break
+        bar.close()
+        self.logger.close()
+        return losses
+
+    def save(self) -> None:
+        self.acc.wait_for_everyone()
+        if self.acc.is_main_process:
+            save_checkpoint(self.run_dir / "checkpoints", self.step, self.acc.unwrap_model(self.net), self.ema.module,
+                            self.optimizer, self.cfg, keep=self.cfg.trainer.keep_checkpoints)
+        self.acc.wait_for_everyone()
+
+    def sample_grid(self) -> Path | None:
+        """EMA samples with fixed seed and labels, so grids are comparable across steps."""
+        s = self.cfg.sample
+        path = self.run_dir / "samples" / f"step_{self.step:07d}.png"
+        if self.acc.is_main_process:
+            labels = grid_labels(self.dataset.num_classes, s.per_class)
+            x = generate(self.ema.module.eval(), labels, shape=self.dataset.shape, steps=s.steps, guidance=s.guidance,
+                         seed=s.seed, device=self.acc.device, null_label=self.dataset.num_classes)
+            save_grid(self.dataset.to_images(x), path, per_row=s.per_class)
+        self.acc.wait_for_everyone()
+        return path
