@@ -56,6 +56,10 @@ def check_config(cfg: DictConfig, num_processes: int) -> None:
         raise ConfigError(f"edm.loss='{cfg.edm.loss}' is unknown; choose plain or route_aware.")
     if not 0 <= cfg.edm.label_dropout < 1:
         raise ConfigError(f"edm.label_dropout={cfg.edm.label_dropout} must be in [0, 1).")
+    if cfg.fid.every:
+        from train.fid import fid_config
+
+        fid_config(cfg.fid)  # a missing reference fails now, not hours into the run
 
 
 class Trainer:
@@ -167,6 +171,8 @@ class Trainer:
                 self.logger.log(self.step, {"loss": loss, "images_per_s": images_per_s, "seconds": time.perf_counter() - began})
             if t.sample_every and (self.step % t.sample_every == 0 or last):
                 self.sample_grid()
+            if cfg.fid.every and (self.step % cfg.fid.every == 0 or last):
+                self.evaluate_fid()
             if t.ckpt_every and (self.step % t.ckpt_every == 0 or last):
                 self.save()
             if last:
@@ -174,6 +180,15 @@ class Trainer:
         bar.close()
         self.logger.close()
         return losses
+
+    def evaluate_fid(self) -> float:
+        """FID of the EMA model; every process samples its share, all get the same value."""
+        from train.fid import compute_fid
+
+        fid = compute_fid(self.ema.module.eval(), self.dataset, self.cfg.fid, self.acc)
+        self.logger.log(self.step, {"fid": fid})
+        self.acc.print(f"step {self.step}: FID {fid:.2f}")
+        return fid
 
     def save(self) -> None:
         self.acc.wait_for_everyone()

@@ -1,0 +1,264 @@
+"""Cached VAE latents as a training dataset (`data=latents`), read from memory-mapped shards.
+
+The folder layout is written by `python -m train.cache_latents` and described in docs/latents.md:
+`shard-XXXXX.safetensors` files with the unscaled posterior `mean`, `std` (n, C, h, w) and
+`labels` (n,), plus `meta.json` and `stats.json`. Each `get` draws z = mean + std * eps from the
+VAE posterior (fresh eps per call, from the caller's generator), scales it by the VAE's scaling
+factor and, with `normalize: standardize`, maps every channel to mean 0 and std sigma_data, which
+is the data scale the EDM preconditioning assumes (SD-VAE latents scaled by 0.18215 have a std
+near 1, not 0.5).
+
+Shards are never loaded whole: each is opened as numpy memmaps on first use (the safetensors
+header gives every tensor's dtype, shape and byte offset), so random access costs only the rows
+read and memory stays flat however large the data set is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from routing.errors import ConfigError
+
+DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
+NORMALIZE_MODES = ("standardize", "scale")
+
+# The safetensors dtypes a shard may use, as numpy dtypes (little-endian by the format's spec).
+_SAFETENSORS_DTYPES = {"F16": np.dtype("<f2"), "F32": np.dtype("<f4"), "I64": np.dtype("<i8")}
+
+
+def shard_name(index: int) -> str:
+    """File name of shard `index` inside a latents folder."""
+    return f"shard-{index:05d}.safetensors"
+
+
+def load_vae(vae: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    """Load a diffusers AutoencoderKL from a local folder or a hub id, with one clear error offline."""
+    from diffusers import AutoencoderKL
+
+    # A path-like string that does not exist is a typo, not a hub id: say so without touching the network.
+    looks_local = os.path.isabs(vae) or vae.startswith((".", "~")) or vae.count("/") != 1
+    if looks_local and not Path(vae).expanduser().is_dir():
+        raise ConfigError(
+            f"VAE folder {vae!r} does not exist: pass a folder holding config.json and the weights "
+            f"(e.g. from `huggingface-cli download {DEFAULT_VAE} --local-dir /path/to/sd-vae-ft-ema`)."
+        )
+    try:
+        model = AutoencoderKL.from_pretrained(str(Path(vae).expanduser()) if looks_local else vae, torch_dtype=dtype)
+    except (OSError, ValueError) as error:
+        raise ConfigError(
+            f"Could not load the VAE {vae!r} ({type(error).__name__}); without network, run "
+            f"`huggingface-cli download {DEFAULT_VAE} --local-dir /path/to/sd-vae-ft-ema` on a machine that has it, "
+            f"copy the folder here and pass its path (cache_latents: --vae /path/to/sd-vae-ft-ema; training: "
+            f"data.vae=/path/to/sd-vae-ft-ema)."
+        ) from error
+    return model.to(device).eval().requires_grad_(False)
+
+
+def read_shard_header(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
+    """Parse a safetensors header: (tensor entries, byte offset of the data block).
+
+    Raises ValueError when the file is truncated or not a safetensors file.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) != 8:
+            raise ValueError("file shorter than the 8-byte header length")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > size - 8:
+            raise ValueError("header length points past the end of the file")
+        header = json.loads(f.read(header_len))
+    header.pop("__metadata__", None)
+    data_start = 8 + header_len
+    for name, entry in header.items():
+        begin, end = entry["data_offsets"]
+        if data_start + end > size:
+            raise ValueError(f"tensor {name!r} ends past the end of the file (truncated shard)")
+        if entry["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name!r} has unsupported dtype {entry['dtype']}")
+        expected = int(np.prod(entry["shape"], dtype=np.int64)) * _SAFETENSORS_DTYPES[entry["dtype"]].itemsize
+        if end - begin != expected:
+            raise ValueError(f"tensor {name!r} byte size does not match its shape")
+    return header, data_start
+
+
+def _memmap_shard(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as a read-only numpy memmap."""
+    header, data_start = read_shard_header(path)
+    arrays = {}
+    for name, entry in header.items():
+        begin, _ = entry["data_offsets"]
+        shape = tuple(entry["shape"])
+        if 0 in shape:
+            arrays[name] = np.empty(shape, dtype=_SAFETENSORS_DTYPES[entry["dtype"]])
+        else:
+            arrays[name] = np.memmap(
+                path, dtype=_SAFETENSORS_DTYPES[entry["dtype"]], mode="r", offset=data_start + begin, shape=shape
+            )
+    return arrays
+
+
+def _data_error(path: Path, problem: str) -> ConfigError:
+    return ConfigError(
+        f"data.path={str(path)!r}: {problem}; point data.path at a folder written by `python -m train.cache_latents` "
+        f"(re-running that command with the same --out resumes it and rewrites missing shards)."
+    )
+
+
+class LatentDataset:
+    """Random-access dataset over cached VAE posteriors (see module docstring)."""
+
+    def __init__(self, path: str | os.PathLike, normalize: str, sigma_data: float, vae: str | None = None):
+        self.path = Path(path)
+        if normalize not in NORMALIZE_MODES:
+            raise ConfigError(f"data.normalize={normalize!r} is not one of {NORMALIZE_MODES}.")
+        if not self.path.is_dir():
+            raise _data_error(self.path, "not a folder")
+        self.meta = self._read_json("meta.json")
+        if not self.meta.get("complete", False):
+            raise _data_error(self.path, "caching has not finished (meta.json says complete=false)")
+        stats = self._read_json("stats.json")
+
+        self.num_classes: int = int(self.meta["num_classes"])
+        self.class_names: list[str] = list(self.meta["class_names"])
+        self.shape: tuple[int, int, int] = tuple(self.meta["latent_shape"])
+        self.scaling_factor = float(self.meta["scaling_factor"])
+        self.vae_path: str = vae or self.meta["vae"]
+        self.normalize = normalize
+        self.sigma_data = float(sigma_data)
+
+        # Check every shard's header now, so a missing or truncated shard fails at startup, not mid-run.
+        self._files = [self.path / shard["file"] for shard in self.meta["shards"]]
+        counts = [int(shard["count"]) for shard in self.meta["shards"]]
+        for file, count in zip(self._files, counts):
+            self._check_shard(file, count)
+        self._starts = np.cumsum([0] + counts[:-1])
+        self._length = int(sum(counts))
+        if self._length == 0:
+            raise _data_error(self.path, "the shards hold no latents")
+
+        # Model-space transform x = a * z + b per channel: SD scaling, then optional standardisation.
+        channel_mean = torch.tensor(stats["mean"], dtype=torch.float32)
+        channel_std = torch.tensor(stats["std"], dtype=torch.float32)
+        if normalize == "standardize":
+            a = self.scaling_factor * self.sigma_data / channel_std
+            b = -channel_mean * self.sigma_data / channel_std
+        else:
+            a = torch.full_like(channel_mean, self.scaling_factor)
+            b = torch.zeros_like(channel_mean)
+        self._a, self._b = a.view(1, -1, 1, 1), b.view(1, -1, 1, 1)  # (C,) -> (1, C, 1, 1)
+
+        self._shards: dict[int, dict[str, np.ndarray]] = {}
+        self._vae = None
+
+    def _read_json(self, name: str) -> dict:
+        file = self.path / name
+        if not file.is_file():
+            raise _data_error(self.path, f"{name} is missing")
+        try:
+            return json.loads(file.read_text())
+        except json.JSONDecodeError as error:
+            raise _data_error(self.path, f"{name} is not valid JSON ({error})") from error
+
+    def _check_shard(self, file: Path, count: int) -> None:
+        if not file.is_file():
+            raise _data_error(self.path, f"shard {file.name} is missing")
+        try:
+            header, _ = read_shard_header(file)
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise _data_error(self.path, f"shard {file.name} is corrupt ({error}); delete it") from error
+        expected = {"mean": [count, *self.shape], "std": [count, *self.shape], "labels": [count]}
+        for name, shape in expected.items():
+            if name not in header or list(header[name]["shape"]) != shape:
+                raise _data_error(self.path, f"shard {file.name} is corrupt (tensor {name!r} is not {shape}); delete it")
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getstate__(self) -> dict:
+        # Memmaps and the VAE are reopened lazily in each worker process instead of being pickled.
+        state = self.__dict__.copy()
+        state["_shards"], state["_vae"] = {}, None
+        return state
+
+    def _shard(self, index: int) -> dict[str, np.ndarray]:
+        if index not in self._shards:
+            self._shards[index] = _memmap_shard(self._files[index])
+        return self._shards[index]
+
+    def get(self, indices: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents x (n, C, h, w) float32 in model space and labels (n,) int64 for global indices (n,)."""
+        flat = indices.detach().cpu().numpy().astype(np.int64)
+        if flat.size and (flat.min() < 0 or flat.max() >= self._length):
+            raise IndexError(f"latent index out of range [0, {self._length})")
+        shard_ids = np.searchsorted(self._starts, flat, side="right") - 1
+        local = flat - self._starts[shard_ids]
+
+        # Gather posterior rows shard by shard, in sorted order so memmap reads go forward.
+        mean = np.empty((flat.size, *self.shape), dtype=np.float32)
+        std = np.empty_like(mean)
+        labels = np.empty(flat.size, dtype=np.int64)
+        for shard_id in np.unique(shard_ids):
+            rows = np.nonzero(shard_ids == shard_id)[0]
+            rows = rows[np.argsort(local[rows])]
+            arrays = self._shard(int(shard_id))
+            mean[rows] = arrays["mean"][local[rows]]
+            std[rows] = arrays["std"][local[rows]]
+            labels[rows] = arrays["labels"][local[rows]]
+
+        # Sample the posterior z = mean + std * eps, then map to model space.
+        device = generator.device
+        eps = torch.randn(mean.shape, generator=generator, device=device)
+        z = torch.from_numpy(mean).to(device) + torch.from_numpy(std).to(device) * eps
+        return self.to_model_space(z), torch.from_numpy(labels).to(device)
+
+    def to_model_space(self, z: torch.Tensor) -> torch.Tensor:
+        """Unscaled VAE latents (n, C, h, w) -> model space."""
+        return z * self._a.to(z.device) + self._b.to(z.device)
+
+    def from_model_space(self, x: torch.Tensor) -> torch.Tensor:
+        """Model space (n, C, h, w) -> unscaled VAE latents, ready for the decoder."""
+        return (x.float() - self._b.to(x.device)) / self._a.to(x.device)
+
+    @torch.no_grad()
+    def to_images(self, x: torch.Tensor, batch_size: int = 32) -> torch.Tensor:
+        """Decode model-space latents (n, C, h, w) to RGB images (n, 3, H, W) in [0, 1]."""
+        if self._vae is None:
+            self._vae = load_vae(self.vae_path, device=x.device)
+        vae = self._vae.to(x.device)
+        z = self.from_model_space(x)
+        images = [vae.decode(chunk).sample for chunk in z.split(batch_size)]
+        return ((torch.cat(images).float() + 1) / 2).clamp(0, 1)
+
+
+def _cfg_value(cfg: Any, key: str, default: Any = None) -> Any:
+    """Read key from a DictConfig or dict; a missing ('???') value reads as the default."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(cfg, DictConfig):
+        if key not in cfg or OmegaConf.is_missing(cfg, key):
+            return default
+        return cfg[key]
+    return cfg.get(key, default)
+
+
+def build(cfg_data: Any, sigma_data: float) -> LatentDataset:
+    """Dataset for `data=latents` (configs/data/latents.yaml); called lazily by the data registry."""
+    path = _cfg_value(cfg_data, "path")
+    if path in (None, ""):
+        raise ConfigError(
+            "data.path is not set: pass data.path=/path/to/latents, a folder written by `python -m train.cache_latents`."
+        )
+    return LatentDataset(
+        path=Path(str(path)).expanduser(),
+        normalize=_cfg_value(cfg_data, "normalize", "standardize"),
+        sigma_data=sigma_data,
+        vae=_cfg_value(cfg_data, "vae"),
+    )

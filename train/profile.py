@@ -1,0 +1,93 @@
+"""Cost measurements shared by the benchmarks: FLOPs, interleaved step timing, saved-activation bytes.
+
+Speed is only ever measured here, in benchmark scripts that print ratios from one run; tests never time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from edm import EDMLoss, LogNormalSigma
+
+
+def training_step(net, batch: int, shape, num_classes: int, device, seed: int = 0, lr: float = 1e-4) -> Callable[[], None]:
+    """A closure running one EDM training step (forward, backward, AdamW) on fixed random data."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(batch, *shape, generator=g).to(device)
+    labels = torch.randint(0, max(num_classes, 1), (batch,), generator=g).to(device)
+    sigma = LogNormalSigma()(batch, g).to(device)
+    noise = torch.randn(batch, *shape, generator=g).to(device)
+    loss_fn = EDMLoss(net.sigma_data)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=lr)
+
+    def step() -> None:
+        loss_fn(net, y, labels, sigma, noise).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step.loss = lambda: loss_fn(net, y, labels, sigma, noise).mean()  # forward only, for memory probes
+    return step
+
+
+def count_flops(fn: Callable[[], None]) -> int:
+    """FLOPs of one call as torch.utils.flop_counter sees them (matmuls, convolutions, attention).
+
+    Element-wise work and custom scans (Bi-WKV cumulative sums, selective scans) are not counted.
+    """
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def interleaved_medians(fns: dict[str, Callable[[], None]], repeats: int, warmup: int, device="cpu") -> dict[str, float]:
+    """Median seconds per call of each function, alternating between them so machine noise hits all alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            _sync(device)
+            tic = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - tic)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def saved_activation_bytes(loss_fn: Callable[[], torch.Tensor], params) -> int:
+    """Bytes of the activations autograd saves for backward in one forward (each storage once, weights excluded)."""
+    weights = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_fn()
+    loss.backward()
+    return sum(seen.values())
+
+
+def peak_memory_bytes(fn: Callable[[], None], device) -> int | None:
+    """Peak CUDA memory of one call; None on CPU, where PyTorch keeps no such counter."""
+    if torch.device(device).type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
