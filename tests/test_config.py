@@ -85,3 +85,11 @@ def test_cli_errors_are_one_sentence(override, message, tmp_path):
     assert result.returncode != 0
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_imagenet_experiment_sets_the_paper_hyperparameters():
+    cfg = compose_cfg("+experiment=imagenet_dit", "data.path=/data/latents")
+    assert (cfg.backbone.preset, cfg.backbone.patch_size, cfg.routing.policy) == ("XL", 2, "random")
+    assert (cfg.trainer.lr, cfg.trainer.batch_size, cfg.trainer.mixed_precision) == (1e-4, 256, "bf16")
+    assert cfg.routing.routes[0] == {"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -4}
+    assert cfg.data.name == "latents"

@@ -1,0 +1,79 @@
+"""Our pure-PyTorch Mamba ops against the mamba-ssm / causal-conv1d CUDA kernels (needs a GPU and the
+`cuda` extra: pip install -e '.[cuda]'; run with -m gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backbones.ops.causal_conv import causal_conv1d
+from backbones.ops.cuda_kernels import cuda_causal_conv1d, cuda_selective_scan, scan_fn
+from backbones.ops.selective_scan import selective_scan
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def _kernel(getter):
+    kernel = getter()
+    if kernel is None:
+        pytest.skip(f"{getter.__name__}: the CUDA package is not installed or does not import")
+    return kernel
+
+
+def _inputs(dtype: torch.dtype, b: int = 2, d: int = 64, n: int = 16, length: int = 256):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kw = dict(device="cuda", generator=g)
+    act = dict(
+        u=torch.randn(b, d, length, **kw),
+        delta=torch.randn(b, d, length, **kw) * 0.5 - 2,
+        B=torch.randn(b, n, length, **kw),
+        C=torch.randn(b, n, length, **kw),
+        z=torch.randn(b, d, length, **kw),
+    )
+    params = dict(
+        A=-torch.arange(1, n + 1.0, device="cuda").repeat(d, 1),
+        D=torch.randn(d, **kw),
+        delta_bias=torch.randn(d, **kw) * 0.1,
+    )
+    # mamba-ssm wants u, delta, B, C, z in the activation dtype and A, D, delta_bias in fp32.
+    tensors = {k: v.to(dtype) for k, v in act.items()} | params
+    return {k: v.requires_grad_() for k, v in tensors.items()}
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_scan_matches_mamba_ssm(dtype, tol):
+    kernel = _kernel(cuda_selective_scan)
+    inputs = _inputs(dtype)
+    names = list(inputs)
+    y_ours = selective_scan(**inputs, delta_softplus=True)
+    y_cuda = kernel(**inputs, delta_softplus=True)
+    assert y_ours.dtype == y_cuda.dtype == dtype
+    gy = torch.randn_like(y_ours)
+    g_ours = torch.autograd.grad(y_ours, list(inputs.values()), gy)
+    g_cuda = torch.autograd.grad(y_cuda, list(inputs.values()), gy)
+
+    def rel(a, b):
+        return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+    assert rel(y_ours, y_cuda) < tol
+    for name, a, b in zip(names, g_ours, g_cuda):
+        assert rel(a, b) < tol, name
+
+
+def test_dispatcher_uses_the_kernel_on_cuda():
+    kernel = _kernel(cuda_selective_scan)
+    inputs = {k: v.detach() for k, v in _inputs(torch.float32).items()}
+    torch.testing.assert_close(scan_fn(**inputs, delta_softplus=True), kernel(**inputs, delta_softplus=True))
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_causal_conv_matches_causal_conv1d(activation):
+    kernel = _kernel(cuda_causal_conv1d)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2, 64, 100, device="cuda", generator=g)
+    weight, bias = torch.randn(64, 4, device="cuda", generator=g), torch.randn(64, device="cuda", generator=g)
+    expected = kernel(x, weight, bias, activation=activation)
+    torch.testing.assert_close(causal_conv1d(x, weight, bias, activation), expected, rtol=1e-4, atol=1e-4)
