@@ -93,3 +93,10 @@ def test_imagenet_experiment_sets_the_paper_hyperparameters():
     assert (cfg.trainer.lr, cfg.trainer.batch_size, cfg.trainer.mixed_precision) == (1e-4, 256, "bf16")
     assert cfg.routing.routes[0] == {"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -4}
     assert cfg.data.name == "latents"
+
+
+@pytest.mark.parametrize("backbone", ["dit", "rwkv", "mamba"])
+def test_bf16_training_step_with_fp32_block_after_route(backbone, cfg_factory):
+    cfg = cfg_factory(f"backbone={backbone}", "routing=rows", "trainer.mixed_precision=bf16", "routing.fp32_after_route=true")
+    losses = Trainer(cfg).fit()
+    assert len(losses) == 2 and all(0 < loss < 100 for loss in losses)

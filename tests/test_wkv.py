@@ -110,3 +110,13 @@ def test_cuda_matches_cpu():
     # dw sums over every pair of tokens, so its entries are compared against its largest one.
     for name, a, b in zip("wukv", dev, (w, u, k, v)):
         assert (a.grad.cpu() - b.grad).abs().max() <= 1e-5 * b.grad.abs().max(), name
+
+
+def test_runs_in_fp32_under_bf16_autocast():
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 40, 8, generator=g), torch.randn(2, 40, 8, generator=g)
+    w, u = torch.rand(8, generator=g) / 40, torch.rand(8, generator=g) / 40
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = bi_wkv(w, u, k, v)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, bi_wkv(w, u, k, v))

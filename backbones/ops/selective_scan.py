@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from backbones.ops.autocast import fp32_operator
+
 # Elements per step (b * d * n) from which streaming one step at a time is fastest on a CPU: below it,
 # Python's per-op overhead dominates and the chunked form, with sqrt(l) times fewer sequential steps,
 # wins (b=1, d=64: 3 ms against 39 ms for fwd+bwd at l=256); above it, streaming through the cache beats
@@ -278,6 +280,7 @@ def _prepare(
     return compute, delta
 
 
+@fp32_operator
 def selective_scan(
     u: torch.Tensor,
     delta: torch.Tensor,

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from backbones.ops.autocast import fp32_operator
+
 
 def _check(x: torch.Tensor, B: torch.Tensor) -> int:
     """Heads per group of B and C."""
@@ -26,6 +28,7 @@ def _check(x: torch.Tensor, B: torch.Tensor) -> int:
     return h // g
 
 
+@fp32_operator
 def ssd_scan(
     x: torch.Tensor,
     dt: torch.Tensor,

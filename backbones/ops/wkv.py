@@ -36,6 +36,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from backbones.ops.autocast import fp32_operator
+
 # Largest |w| L inside one chunk: every decay factor within a chunk stays inside e^{+-12}.
 _MAX_CHUNK_DECAY = 12.0
 # Carries are stored at most e^60 above the chunk's own tokens: with decays inside e^{+-12} every column of
@@ -229,6 +231,7 @@ class _BiWKV(torch.autograd.Function):
         return dw, du, dk, dv, None
 
 
+@fp32_operator
 def bi_wkv(w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_len: int = 32) -> torch.Tensor:
     """Bi-WKV of k, v (B, T, C) with decay w and bonus u (C,), exact in O(B T C); returns (B, T, C).
 
