@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from accelerate.utils import set_seed
 from omegaconf import DictConfig, OmegaConf
 from timm.utils import ModelEmaV3
@@ -66,9 +67,12 @@ class Trainer:
     def __init__(self, cfg: DictConfig, accelerator: Accelerator | None = None):
         self.cfg = cfg
         t = cfg.trainer
-        self.acc = accelerator or Accelerator(
-            cpu=t.cpu, mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.grad_accum
-        )
+        if accelerator is None:
+            # accelerate keeps one process-wide state; several Trainers in one process (tests, the
+            # benchmark grid) may ask for different precisions, so drop it (the process group stays).
+            AcceleratorState._reset_state()
+            accelerator = Accelerator(cpu=t.cpu, mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.grad_accum)
+        self.acc = accelerator
         check_config(cfg, self.acc.num_processes)
         self.run_dir = Path(cfg.run_dir)
         self.dataset = build_dataset(cfg.data, cfg.edm.sigma_data)
