@@ -149,6 +149,7 @@ class _ChunkedScan(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @fp32_operator  # the engine may replay the forward's autocast state in backward (CUDA)
     def backward(ctx, grad_y):
         u_t, delta_t, A_g, B_t, C_t, a_buf, h_buf = ctx.saved_tensors
         n_chunks, l = ctx.n_chunks, ctx.l
@@ -221,6 +222,7 @@ class _StreamingScan(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @fp32_operator  # the engine may replay the forward's autocast state in backward (CUDA)
     def backward(ctx, grad_y):
         u_t, delta_t, A_g, B_t, C_t, h_buf = ctx.saved_tensors
         l, b, g, k = u_t.shape

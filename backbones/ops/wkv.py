@@ -185,6 +185,7 @@ class _BiWKV(torch.autograd.Function):
         return _from_chunks(y, T)
 
     @staticmethod
+    @fp32_operator  # the engine may replay the forward's autocast state in backward (CUDA)
     def backward(ctx, grad_y: torch.Tensor):
         op, op_carry, to_carry, dist, X, V_mat, den, y, carry_scale, M, f, g = ctx.saved_tensors
         T, L = ctx.T, ctx.L
