@@ -3,37 +3,18 @@
     python -m train.bench_wkv                       # B=8, T=256, C=384, 2 threads
 
 Times forward and forward+backward of both on the same inputs (decays spread over w T in [-5, 3], the
-Vision-RWKV init range, keys ~ N(0, 1)) and prints the median of --repeats runs after one warm-up, the
+Vision-RWKV init range, keys ~ N(0, 1)) and prints the median of --repeats interleaved runs after one warm-up, the
 speed ratio measured in this one run, and the largest difference between the two outputs.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
 from backbones.ops.wkv import bi_wkv, bi_wkv_reference
-
-
-def _median_ms(fn: Callable[[], torch.Tensor], repeats: int, backward: bool) -> float:
-    """Median milliseconds per call over `repeats` calls after one warm-up call."""
-
-    def step() -> None:
-        y = fn()
-        if backward:
-            y.sum().backward()
-
-    step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+from train.profile import interleaved_medians
 
 
 def main() -> None:
@@ -61,14 +42,16 @@ def main() -> None:
         diff = (fast() - ref()).abs().max().item()
     print(f"Bi-WKV B={B} T={T} C={C}, fp32, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print(f"max |fast - reference| = {diff:.1e}")
-    times = {}
-    for name, fn in (("bi_wkv (chunked)", fast), ("bi_wkv_reference", ref)):
-        with torch.no_grad():
-            fwd = _median_ms(fn, args.repeats, backward=False)
-        times[name] = (fwd, _median_ms(fn, args.repeats, backward=True))
-        print(f"{name:18s} fwd {fwd:8.2f} ms   fwd+bwd {times[name][1]:8.2f} ms   (median of {args.repeats})")
-    (fast_fwd, fast_both), (ref_fwd, ref_both) = times.values()
-    print(f"speed ratio reference / chunked: fwd x{ref_fwd / fast_fwd:.1f}, fwd+bwd x{ref_both / fast_both:.1f}")
+    fast_name, ref_name = "bi_wkv (chunked)", "bi_wkv_reference"
+    calls = {}
+    for name, fn in ((fast_name, fast), (ref_name, ref)):
+        calls[(name, "fwd")] = lambda fn=fn: torch.no_grad()(fn)()
+        calls[(name, "fwd+bwd")] = lambda fn=fn: fn().sum().backward()
+    ms = {key: s * 1e3 for key, s in interleaved_medians(calls, args.repeats, warmup=1).items()}
+    for name in (fast_name, ref_name):
+        print(f"{name:18s} fwd {ms[name, 'fwd']:8.2f} ms   fwd+bwd {ms[name, 'fwd+bwd']:8.2f} ms   (median of {args.repeats})")
+    print(f"speed ratio reference / chunked: fwd x{ms[ref_name, 'fwd'] / ms[fast_name, 'fwd']:.1f}, "
+          f"fwd+bwd x{ms[ref_name, 'fwd+bwd'] / ms[fast_name, 'fwd+bwd']:.1f}")
 
 
 if __name__ == "__main__":
