@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from edm import EDMLoss, LogNormalSigma
 
@@ -34,12 +34,28 @@ def training_step(net, batch: int, shape, num_classes: int, device, seed: int = 
     return step
 
 
+def _cpu_attention_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_attention_backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+# PyTorch's counter knows the CUDA attention kernels but not the CPU kernel SDPA dispatches to, so on a CPU
+# attention counted as zero; that kernel does the same two matmuls, so it gets the same formulas.
+_CPU_ATTENTION = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
+}
+
+
 def count_flops(fn: Callable[[], None]) -> int:
     """FLOPs of one call as torch.utils.flop_counter sees them (matmuls, convolutions, attention).
 
     Element-wise work and custom scans (Bi-WKV cumulative sums, selective scans) are not counted.
     """
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION) as counter:
         fn()
     return counter.get_total_flops()
 
@@ -49,11 +65,17 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def interleaved_medians(fns: dict[str, Callable[[], None]], repeats: int, warmup: int, device="cpu") -> dict[str, float]:
-    """Median seconds per call of each function, alternating between them so machine noise hits all alike."""
+def interleaved_medians(fns: dict[str, Callable[[], None]], repeats: int, warmup: int, device="cpu",
+                        progress: Callable[[], None] | None = None) -> dict[str, float]:
+    """Median seconds per call of each function, alternating between them so machine noise hits all alike.
+
+    `progress`, if given, is called after every call, outside the timed region (e.g. a progress bar's update).
+    """
     for _ in range(warmup):
         for fn in fns.values():
             fn()
+            if progress:
+                progress()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
@@ -62,6 +84,8 @@ def interleaved_medians(fns: dict[str, Callable[[], None]], repeats: int, warmup
             fn()
             _sync(device)
             times[name].append(time.perf_counter() - tic)
+            if progress:
+                progress()
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 

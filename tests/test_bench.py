@@ -1,0 +1,125 @@
+"""The cross-backbone benchmark: FLOP-ideal speedups, the classifier scorer, and the whole grid end to end."""
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from routing import Route, Router, build_policy
+from train.bench import speedups
+from train.classifier import ClassifierConfig, SmallCNN, cache_path, features, load_or_train, sample_scores
+from train.data.embedded import TensorDataset
+from train.profile import count_flops
+from conftest import run_module
+
+
+class MLPBlock(nn.Module):
+    """A block whose cost is exactly linear in the number of tokens: no attention, no scan."""
+
+    needs_grid = False
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x, c, grid):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_flop_ideal_speedup_is_the_token_layer_count_of_an_mlp_stack():
+    # Depth 8, route r2->5 with half the tokens bypassing, on an 8x8 grid of 64 tokens. Only the block stack
+    # is counted (no embedding, no head), and the input needs grad, so every block does the same work per
+    # token: forward + input grad + weight grad. Blocks 0, 1, 6, 7 see 64 tokens, blocks 2-5 see 32.
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(MLPBlock(16) for _ in range(8))
+    x = torch.randn(2, 64, 16, requires_grad=True)
+    c = torch.zeros(2, 16)
+
+    def step(router: Router):
+        return lambda: router.run(blocks, x, c, (8, 8), training=True).square().sum().backward()
+
+    routed = Router(build_policy("random"), [Route(selection_ratio=0.5, start_layer_idx=2, end_layer_idx=5)])
+    flops_unrouted, flops_routed = count_flops(step(Router())), count_flops(step(routed))
+    assert flops_unrouted * (4 * 64 + 4 * 32) == flops_routed * (8 * 64)  # exact: gather/scatter cost no FLOPs
+    ideal = speedups({"flops": flops_unrouted, "step_seconds": 2.0}, {"flops": flops_routed, "step_seconds": 1.0})
+    assert ideal["ideal_speedup"] == pytest.approx(512 / 384)
+    assert ideal["efficiency"] == pytest.approx(2.0 / (512 / 384))
+
+
+def test_classifier_fd_of_a_set_with_itself_is_zero_and_accuracy_counts_requested_classes():
+    torch.manual_seed(0)
+    model = SmallCNN(in_channels=3, num_classes=5, width=8, feature_dim=16).eval()
+    images = torch.rand(200, 3, 16, 16) * 2 - 1
+    real = features(model, images)
+    predicted = model(images).argmax(-1)
+    same = sample_scores(model, images, predicted, real)
+    assert abs(same["classifier_fd"]) < 1e-6 * real.var(0).sum().item()
+    assert same["class_accuracy"] == 1.0
+    # Control: shifted images are far away, and asking for other classes is never right.
+    other = sample_scores(model, (images + 1).clamp(-1, 1), (predicted + 1) % 5, real)
+    assert other["classifier_fd"] > 1e-3 * real.var(0).sum().item()
+    assert sample_scores(model, images, (predicted + 1) % 5, real)["class_accuracy"] == 0.0
+
+
+def test_classifier_is_cached_per_dataset_and_retrained_when_settings_change(tmp_path, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    labels = torch.arange(40) % 2
+    images = torch.where(labels[:, None, None, None].bool(), 0.8, -0.8) + 0.1 * torch.randn(40, 1, 8, 8, generator=g)
+    dataset = TensorDataset(images, labels, 2, "toy")
+    cfg = ClassifierConfig(width=4, feature_dim=8, epochs=2, batch_size=8)
+    model, meta = load_or_train(dataset, cfg, tmp_path)
+    assert cache_path(tmp_path, dataset).name == "classifier-toy-8px.safetensors" and cache_path(tmp_path, dataset).exists()
+    assert 0.0 <= meta["heldout_accuracy"] <= 1.0
+
+    import train.classifier as classifier
+
+    trained = []
+    original = classifier.train_classifier
+    monkeypatch.setattr(classifier, "train_classifier", lambda *a: trained.append(1) or original(*a))
+    again, _ = load_or_train(dataset, cfg, tmp_path)
+    assert not trained
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    load_or_train(dataset, ClassifierConfig(width=4, feature_dim=8, epochs=1, batch_size=8), tmp_path)
+    assert trained == [1]
+
+
+def _filled(value) -> bool:
+    return value is not None and str(value).strip() not in ("", "nan", "None") and not (isinstance(value, float) and math.isnan(value))
+
+
+def test_smoke_grid_writes_a_full_table_and_a_rerun_reuses_every_cell(tmp_path):
+    out = tmp_path / "bench"
+    first = run_module("train.bench", "bench=smoke", f"out_dir={out}", timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+
+    table = json.loads((out / "table.json").read_text())
+    rows = table["rows"]
+    assert [(r["backbone"], r["routing"]) for r in rows] == [(b, p) for b in ("dit", "rwkv", "mamba") for p in ("none", "random", "rows")]
+    kinds = {(r["backbone"], r["routing"]): r["kind"] for r in rows}
+    assert kinds[("rwkv", "random")] == kinds[("mamba", "random")] == "ablation"
+    assert kinds[("dit", "random")] == "routed" and kinds[("dit", "none")] == "baseline"
+    for row in rows:
+        # Peak memory exists on CUDA only; every other cell must hold a number.
+        assert all(_filled(v) for k, v in row.items() if k != "peak_memory_mb"), row
+        assert row["params"] > 0 and row["gflops_per_step"] > 0 and row["efficiency"] > 0
+        assert row["train_steps"] == 2
+        assert (row["ideal_speedup"] > 1) == (row["routing"] != "none")
+    with (out / "table.csv").open() as f:
+        csv_rows = list(csv.DictReader(f))
+    assert len(csv_rows) == 9 and all(_filled(v) for r in csv_rows for v in r.values())
+    md_rows = [line for line in (out / "table.md").read_text().splitlines() if line.startswith("| dit") or
+               line.startswith("| rwkv") or line.startswith("| mamba")]
+    assert len(md_rows) == 9 and all(_filled(cell) for line in md_rows for cell in line.strip("|").split("|"))
+    assert (out / "loss_vs_time.png").stat().st_size > 0 and (out / "bars.png").stat().st_size > 0
+
+    cell_files = sorted((out / "cells").glob("*.json"))
+    assert len(cell_files) == 9
+    mtimes = {p: p.stat().st_mtime_ns for p in [*cell_files, out / "cost.json"]}
+    second = run_module("train.bench", "bench=smoke", f"out_dir={out}", timeout=240)
+    assert second.returncode == 0, second.stderr[-3000:]
+    log = second.stdout + second.stderr
+    assert log.count("reused cell") == 9 and "reused cost measurements" in log
+    assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes

@@ -1,0 +1,143 @@
+"""Offline sample-quality scorer: a small CNN classifier trained once on an embedded dataset.
+
+Inception FID needs downloaded weights and natural images; the embedded datasets (digits, shapes) are
+neither. So the benchmark trains this classifier once per dataset (fixed seed, cached as safetensors keyed
+by dataset name and resolution) and scores class-conditional samples with it:
+
+- classifier-FD: the Fréchet distance (train/frechet.py) between Gaussians fitted to the classifier's
+  penultimate features of generated and of real images. It is FID's formula on other features, so its
+  numbers are comparable only with other classifier-FDs from the same classifier; it is NOT Inception FID.
+- class accuracy: how often the classifier recognises the class a sample was asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from train.frechet import feature_statistics, frechet_distance
+
+
+@dataclass
+class ClassifierConfig:
+    width: int = 32
+    feature_dim: int = 64
+    epochs: int = 15
+    batch_size: int = 64
+    lr: float = 2e-3
+    holdout: float = 0.1  # fraction of the images kept out of training to report the classifier's own accuracy
+    seed: int = 0
+
+
+class SmallCNN(nn.Module):
+    """Two conv stages with pooling, global average pool to `feature_dim` features, linear class head."""
+
+    def __init__(self, in_channels: int, num_classes: int, width: int = 32, feature_dim: int = 64):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, padding=1), nn.GELU(),
+            nn.Conv2d(width, width, 3, padding=1), nn.GELU(), nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1), nn.GELU(), nn.MaxPool2d(2),
+            nn.Conv2d(2 * width, feature_dim, 3, padding=1), nn.GELU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(),  # (B, feature_dim, h, w) -> (B, feature_dim)
+        )
+        self.head = nn.Linear(feature_dim, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """Penultimate features (B, feature_dim) of images in model space ([-1, 1])."""
+        return self.body(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+def _split(n: int, holdout: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train and held-out indices of a fixed permutation; at least one held-out image."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    n_val = max(1, int(n * holdout))
+    return perm[n_val:], perm[:n_val]
+
+
+@torch.no_grad()
+def accuracy(model: SmallCNN, images: torch.Tensor, labels: torch.Tensor, batch: int = 512) -> float:
+    model.eval()
+    correct = sum((model(images[i:i + batch]).argmax(-1) == labels[i:i + batch]).sum().item() for i in range(0, len(images), batch))
+    return correct / len(images)
+
+
+def train_classifier(dataset, cfg: ClassifierConfig) -> tuple[SmallCNN, float]:
+    """Train on all but the held-out fraction of `dataset`; returns the model and its held-out accuracy."""
+    g = torch.Generator().manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # weight initialisation
+    model = SmallCNN(dataset.shape[0], dataset.num_classes, cfg.width, cfg.feature_dim)
+    train_idx, val_idx = _split(len(dataset), cfg.holdout, cfg.seed)
+    images, labels = dataset.get(torch.arange(len(dataset)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    steps = cfg.epochs * -(-len(train_idx) // cfg.batch_size)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, cfg.lr, total_steps=steps)
+    for _ in range(cfg.epochs):
+        model.train()
+        for batch in train_idx[torch.randperm(len(train_idx), generator=g)].split(cfg.batch_size):
+            x = images[batch]
+            # Noise augmentation: generated samples are rarely clean, and a classifier that has only seen
+            # clean images reads slight noise as a different class.
+            x = x + 0.1 * torch.rand(len(x), 1, 1, 1, generator=g) * torch.randn(x.shape, generator=g)
+            loss = F.cross_entropy(model(x), labels[batch])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+    return model.eval(), accuracy(model, images[val_idx], labels[val_idx])
+
+
+def cache_path(cache_dir: str | Path, dataset) -> Path:
+    """One file per dataset name and resolution."""
+    return Path(os.path.expanduser(str(cache_dir))) / f"classifier-{dataset.name}-{dataset.shape[-1]}px.safetensors"
+
+
+def load_or_train(dataset, cfg: ClassifierConfig, cache_dir: str | Path) -> tuple[SmallCNN, dict]:
+    """The cached classifier for `dataset`, trained (and cached atomically) when missing or trained differently."""
+    path = cache_path(cache_dir, dataset)
+    # The metadata says what the weights were trained on; any difference means they must be retrained.
+    wanted = {"config": asdict(cfg), "dataset": dataset.name, "shape": list(dataset.shape), "size": len(dataset),
+              "num_classes": dataset.num_classes}
+    model = SmallCNN(dataset.shape[0], dataset.num_classes, cfg.width, cfg.feature_dim)
+    if path.exists():
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads(f.metadata()["info"])
+        if {k: meta.get(k) for k in wanted} == wanted:
+            model.load_state_dict(load_file(str(path)))
+            return model.eval(), meta
+    model, val_accuracy = train_classifier(dataset, cfg)
+    meta = {**wanted, "heldout_accuracy": val_accuracy}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file(model.state_dict(), str(tmp), metadata={"info": json.dumps(meta)})
+    os.replace(tmp, path)  # atomic: a concurrent or killed run never sees half a file
+    return model, meta
+
+
+@torch.no_grad()
+def features(model: SmallCNN, images: torch.Tensor, batch: int = 512) -> torch.Tensor:
+    """Penultimate features (n, feature_dim) of images (n, C, H, W) in model space."""
+    model.eval()
+    return torch.cat([model.features(images[i:i + batch].float().clamp(-1, 1)) for i in range(0, len(images), batch)])
+
+
+@torch.no_grad()
+def sample_scores(model: SmallCNN, samples: torch.Tensor, labels: torch.Tensor, real_features: torch.Tensor) -> dict[str, float]:
+    """classifier-FD of samples against real features, and the accuracy on the requested labels."""
+    fake = features(model, samples)
+    mu_f, sigma_f = feature_statistics(fake)
+    mu_r, sigma_r = feature_statistics(real_features)
+    predicted = model.head(fake).argmax(-1)
+    return {"classifier_fd": frechet_distance(mu_f, sigma_f, mu_r, sigma_r),
+            "class_accuracy": (predicted == labels.to(predicted.device)).float().mean().item()}
