@@ -94,10 +94,10 @@ def is_ablation(cfg: DictConfig) -> bool:
 def compose_cell(bench: DictConfig, backbone: str, routing: str, seed: int) -> Cell:
     """The real training config (configs/config.yaml) for one cell, with the bench's sizes and budget."""
     try:
-        cfg = compose(config_name="config", overrides=[f"backbone={backbone}", f"routing={routing}", f"data={bench.data}",
+        cfg = compose(config_name="config", overrides=[f"backbone={backbone}", f"routing={routing}", f"data={bench.dataset}",
                                                        *bench.overrides])
     except (MissingConfigException, OverrideParseException, ConfigCompositionException) as err:
-        raise ConfigError(f"{str(err).splitlines()[0]} (check grid.backbones, grid.routings, data and overrides).") from err
+        raise ConfigError(f"{str(err).splitlines()[0]} (check grid.backbones, grid.routings, dataset and overrides).") from err
     t = bench.train
     with open_dict(cfg):
         cfg.backbone = OmegaConf.merge(cfg.backbone, bench.sizes.get(backbone) or {})
