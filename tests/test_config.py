@@ -72,6 +72,7 @@ def test_batch_not_divisible_by_processes(cfg_factory):
         ("backbone.preset=XXL", "backbone.preset='XXL' is unknown for dit"),
         ("backbone.patch_size=3", "not divisible by backbone.patch_size=3"),
         ("data.name=imagenet", "data.name='imagenet' is unknown"),
+        ("trainer.mixed_precision=fp8", "trainer.mixed_precision='fp8' is unknown"),
         ("routing=random", None),
     ],
 )

@@ -67,6 +67,8 @@ class Trainer:
     def __init__(self, cfg: DictConfig, accelerator: Accelerator | None = None):
         self.cfg = cfg
         t = cfg.trainer
+        if t.mixed_precision not in ("no", "bf16", "fp16"):
+            raise ConfigError(f"trainer.mixed_precision='{t.mixed_precision}' is unknown; choose no, bf16 or fp16.")
         if accelerator is None:
             # accelerate keeps one process-wide state; several Trainers in one process (tests, the
             # benchmark grid) may ask for different precisions, so drop it (the process group stays).
