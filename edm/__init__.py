@@ -1,11 +1,19 @@
-"""EDM (Karras et al. 2022): preconditioning, loss, samplers, guidance. Wraps any F(x, c_noise, labels)."""
+"""Objectives (EDM, rectified flow): preconditioning, losses, time distributions, samplers, guidance.
 
-from edm.guidance import CFGDenoiser
+Wraps any F(x, c_noise, labels); knows nothing of backbones or routing.
+"""
+
+from edm.flow import FLOW_SAMPLERS, FlowLoss, FlowModel, LogitNormalTime, UniformTime, flow_times, sample_flow_euler, sample_flow_heun
+from edm.generate import generate
+from edm.guidance import CFGDenoiser, RoutingGuidance
 from edm.loss import EDMLoss, LogNormalSigma, reduce_loss
+from edm.objectives import EDM, OBJECTIVES, Flow, Objective, build_objective
 from edm.precond import EDMPrecond, edm_coefficients
 from edm.sampler import SAMPLERS, edm_sigmas, sample_euler, sample_heun
 
 __all__ = [
-    "CFGDenoiser", "EDMLoss", "EDMPrecond", "LogNormalSigma", "SAMPLERS",
-    "edm_coefficients", "edm_sigmas", "reduce_loss", "sample_euler", "sample_heun",
+    "CFGDenoiser", "EDM", "EDMLoss", "EDMPrecond", "FLOW_SAMPLERS", "Flow", "FlowLoss", "FlowModel", "LogNormalSigma",
+    "LogitNormalTime", "OBJECTIVES", "Objective", "RoutingGuidance", "SAMPLERS", "UniformTime", "build_objective",
+    "edm_coefficients", "edm_sigmas", "flow_times", "generate", "reduce_loss", "sample_euler", "sample_flow_euler",
+    "sample_flow_heun", "sample_heun",
 ]

@@ -3,6 +3,6 @@
 from routing.errors import ConfigError
 from routing.policy import POLICIES, RoutingPolicy, Selection, build_policy
 from routing.route import Route, resolve_routes
-from routing.router import Router
+from routing.router import Router, count_flops, routed_flops
 
-__all__ = ["ConfigError", "POLICIES", "Route", "Router", "RoutingPolicy", "Selection", "build_policy", "resolve_routes"]
+__all__ = ["ConfigError", "POLICIES", "Route", "Router", "RoutingPolicy", "Selection", "build_policy", "count_flops", "resolve_routes", "routed_flops"]

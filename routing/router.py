@@ -7,11 +7,15 @@ the kept-aside sequence out of place, so bypassing tokens rejoin unchanged and g
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
+from routing.errors import ConfigError
 from routing.policy import Grid, NoRouting, RoutingPolicy
 from routing.route import Route
 
@@ -31,6 +35,33 @@ class Router:
         self.fp32_after_route = fp32_after_route
         self.generator: torch.Generator | None = None  # set by the trainer: per-rank, per-step seeded
         self.last_masks: list[torch.Tensor] = []  # per route, (B, N) bool of processed tokens
+        self._unforced_routes: list[Route] | None = None  # the trained routes while `forced` is active
+
+    @contextmanager
+    def forced(self, selection_ratio: float) -> Iterator[Router]:
+        """Route in eval mode too, with every route's selection_ratio replaced by `selection_ratio`.
+
+        Routed inference (TREAD): a model trained with routing is evaluated at ratios it may never have
+        seen, which cuts FLOPs and gives routing guidance its weak branch. Ratio 0 runs no route at all,
+        so it is exactly the unrouted network. The routes and `force` are restored on exit.
+        """
+        if not 0.0 <= selection_ratio < 1.0:
+            raise ConfigError(f"route ratio {selection_ratio} must be in [0, 1) (the fraction of tokens that bypass each route).")
+        trained = self._unforced_routes if self._unforced_routes is not None else self.routes
+        if selection_ratio > 0 and not trained:
+            raise ConfigError(
+                f"route ratio {selection_ratio} needs routes to force, but this model has none; "
+                "give the routes it was trained with (routing=random or routing.routes=...)."
+            )
+        saved = self.routes, self.force, self._unforced_routes
+        # Nested calls (a guidance branch inside a FLOPs count) start from the trained routes again.
+        self._unforced_routes = trained
+        self.routes = [replace(r, selection_ratio=float(selection_ratio)) for r in trained] if selection_ratio > 0 else []
+        self.force = True
+        try:
+            yield self
+        finally:
+            self.routes, self.force, self._unforced_routes = saved
 
     def run(self, blocks: nn.ModuleList, x: torch.Tensor, c: torch.Tensor, grid: Grid, training: bool) -> torch.Tensor:
         """x: (B, N, D) tokens in raster order on `grid`; c: (B, D). Returns (B, N, D)."""
@@ -63,3 +94,19 @@ class Router:
         self.last_masks.append(mask)
         # Out of place: `x` itself stays in the autograd graph, so bypassing tokens get gradients too.
         return x.scatter(1, index, x_sub.to(x.dtype))
+
+
+def count_flops(fn: Callable[[], object]) -> int:
+    """FLOPs of one call of `fn` (torch.utils.flop_counter: matmuls, convolutions and attention)."""
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def routed_flops(fn: Callable[[], object], router: Router, selection_ratio: float) -> tuple[int, int]:
+    """(routed, unrouted) FLOPs of one network evaluation `fn()`, routing forced at `selection_ratio` vs off."""
+    with router.forced(selection_ratio):
+        routed = count_flops(fn)
+    with router.forced(0.0):
+        unrouted = count_flops(fn)
+    return routed, unrouted
