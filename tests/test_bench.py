@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from routing import Route, Router, build_policy
-from train.bench import speedups
-from train.classifier import ClassifierConfig, SmallCNN, cache_path, features, load_or_train, sample_scores
+from train.bench.cost import speedups
+from train.metrics.classifier import ClassifierConfig, SmallCNN, cache_path, features, load_or_train, sample_scores
 from train.data.embedded import TensorDataset
-from train.profile import count_flops
+from train.bench.timing import count_flops
 from conftest import run_module
 
 
@@ -74,7 +74,7 @@ def test_classifier_is_cached_per_dataset_and_retrained_when_settings_change(tmp
     assert cache_path(tmp_path, dataset).name == "classifier-toy-8px.safetensors" and cache_path(tmp_path, dataset).exists()
     assert 0.0 <= meta["heldout_accuracy"] <= 1.0
 
-    import train.classifier as classifier
+    import train.metrics.classifier as classifier
 
     trained = []
     original = classifier.train_classifier

@@ -14,8 +14,9 @@ from accelerate import Accelerator
 from PIL import Image
 
 from routing.errors import ConfigError
-from train.fid import compute_fid, main as fid_main
-from train.inception import WEIGHTS_URL, inception_features, load_inception, resolve_weights
+from train.fid import main as fid_main
+from train.metrics.fid import compute_fid
+from train.metrics.inception import WEIGHTS_URL, inception_features, load_inception, resolve_weights
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import pytest
 import scipy.linalg
 import torch
 
-from train.frechet import feature_statistics, frechet_distance
+from train.metrics.frechet import feature_statistics, frechet_distance
 
 
 def test_statistics_match_numpy():

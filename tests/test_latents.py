@@ -16,7 +16,8 @@ from PIL import Image
 from safetensors.numpy import load_file
 
 from routing.errors import ConfigError
-from train.cache_latents import center_crop_resize, main as cache_latents
+from train.cache_latents import main as cache_latents
+from train.data.images import center_crop_resize
 from train.data.latents import build, load_vae
 
 CLASSES = ("cat", "dog", "emu")

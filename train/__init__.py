@@ -1,1 +1,1 @@
-"""Hydra entry (`python -m train`), trainer, data, checkpoints and sub-commands (train.sample, ...)."""
+"""The training core (trainer, config -> objects, checkpoints, logging) and its thin commands; wings data/, metrics/, bench/."""

@@ -1,4 +1,5 @@
-"""Checkpoints: a folder per step with safetensors weights, optimizer state, step and config.
+"""Checkpoints: a folder per step with safetensors weights, optimizer state, step and config; and
+`load_run`, which turns a run or checkpoint folder back into a ready EMA network.
 
 Each checkpoint is written into a temporary folder and renamed into place, and `latest` is replaced
 atomically, so a run killed mid-write never leaves a half checkpoint behind the pointer.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,6 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save_file
 
 from routing import ConfigError
+from train.build import build_net
+from train.data import build_dataset
 
 # Sections that fix the shape of the network; changing them makes a checkpoint unloadable.
 MODEL_KEYS = ("backbone", "data")
@@ -84,3 +88,34 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+@dataclass
+class Loaded:
+    net: torch.nn.Module  # EDM denoiser with EMA weights, eval mode: net(x, sigma, class_labels)
+    cfg: DictConfig
+    dataset: object
+    checkpoint: Path
+    step: int
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder, or a run folder (its latest checkpoint)."""
+    path = Path(path)
+    if (path / "state.json").is_file():
+        return path
+    latest = latest_checkpoint(path / "checkpoints")
+    if latest is None:
+        raise ConfigError(f"'{path}' is neither a checkpoint folder nor a run folder with checkpoints/latest; pass runs/X or runs/X/checkpoints/step_N.")
+    return latest
+
+
+def load_run(checkpoint: str | Path, device: str | torch.device = "cpu") -> Loaded:
+    """The EMA network of a run folder (its latest checkpoint) or a checkpoint folder, in eval mode on `device`."""
+    path = resolve_checkpoint(checkpoint)
+    state = load_checkpoint(path)
+    cfg = state["config"]
+    dataset = build_dataset(cfg.data, cfg.edm.sigma_data)
+    net = build_net(cfg, dataset)
+    net.load_state_dict(state["ema"])
+    return Loaded(net.to(device).eval(), cfg, dataset, path, state["step"])

@@ -8,150 +8,25 @@
     # FID between two image folders (or a folder and an npz).
     python -m train.fid --images samples/ --ref ref_val256.npz
 
-Samples are generated in global batches of `batch_size`; batch b uses seed `seed + b` and
-class labels (b * batch_size + i) % num_classes (balanced classes), and process r of W
-handles the batches b with b % W == r, so the sample set does not depend on the number of
-processes. Features are Inception-v3 pool3 (train/inception.py), gathered to every process;
-the Fréchet distance is train/frechet.py. The trainer calls `compute_fid` from every process.
+The computation (sampling order, feature gathering, the Fréchet distance) is train/metrics/fid.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from PIL import Image
-from tqdm import tqdm
 
-from routing.errors import ConfigError
-from train.cache_latents import IMAGE_EXTENSIONS, center_crop_resize
-from train.frechet import feature_statistics, frechet_distance
-from train.inception import inception_features, load_inception
-
-
-@dataclass
-class FIDConfig:
-    """Settings of one FID evaluation (the trainer's `fid:` config block has these keys)."""
-
-    ref: str  # reference statistics: an .npz with `mu` and `sigma` (ADM layout), or a folder of real images
-    num_samples: int = 10_000
-    steps: int = 40
-    guidance: float = 1.0
-    sampler: str = "heun"
-    batch_size: int = 64  # samples per global batch; also the Inception batch
-    seed: int = 0
-    inception: str | None = None  # local weights file; None: torch hub's checkpoints folder
-
-
-def fid_config(cfg_fid: Any) -> FIDConfig:
-    """FIDConfig from a DictConfig / dict (unknown keys, such as the trainer's `every`, are ignored)."""
-    from omegaconf import DictConfig, OmegaConf
-
-    values = OmegaConf.to_container(cfg_fid, resolve=True) if isinstance(cfg_fid, DictConfig) else dict(cfg_fid)
-    if not values.get("ref"):
-        raise ConfigError("fid.ref is not set: pass fid.ref=/path/to/ref.npz (mu, sigma) or a folder of real images.")
-    return FIDConfig(**{f.name: values[f.name] for f in fields(FIDConfig) if f.name in values})
-
-
-def _gather_in_order(accelerator, indices: torch.Tensor, features: torch.Tensor, total: int) -> torch.Tensor:
-    """Rows (m, d) with global row ids (m,) on each process -> all rows (total, d) in id order, on every process."""
-    indices = accelerator.pad_across_processes(indices.to(accelerator.device), dim=0, pad_index=-1)
-    features = accelerator.pad_across_processes(features.to(accelerator.device), dim=0)
-    indices, features = accelerator.gather(indices).cpu(), accelerator.gather(features).cpu()
-    keep = indices >= 0
-    ordered = torch.empty(total, features.shape[1], dtype=features.dtype)
-    ordered[indices[keep]] = features[keep]
-    return ordered
-
-
-def list_image_files(folder: Path) -> list[Path]:
-    """Image files under folder, recursively, in sorted order."""
-    if not folder.is_dir():
-        raise ConfigError(f"{str(folder)!r} is not a folder of images.")
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
-    if len(files) < 2:
-        raise ConfigError(f"{str(folder)!r} holds {len(files)} images; FID needs at least 2.")
-    return files
-
-
-def _load_image(file: Path, size: int | None) -> torch.Tensor:
-    with Image.open(file) as image:
-        image = image.convert("RGB")
-        if size is not None:
-            image = center_crop_resize(image, size)
-        return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)  # (H, W, 3) -> (3, H, W) uint8
-
-
-def folder_features(folder: Path, extractor, accelerator, batch_size: int, size: int | None = None) -> torch.Tensor:
-    """Inception features (n, 2048) of every image in a folder, split across processes."""
-    files = list_image_files(folder)
-    mine = list(range(accelerator.process_index, len(files), accelerator.num_processes))
-    features = []
-    for start in tqdm(range(0, len(mine), batch_size), desc="real", disable=not accelerator.is_main_process):
-        images = [_load_image(files[i], size) for i in mine[start : start + batch_size]]
-        if len({tuple(image.shape) for image in images}) > 1:
-            raise ConfigError(f"images in {str(folder)!r} differ in size: pass --size N to centre-crop them to N x N.")
-        features.append(inception_features(extractor, torch.stack(images), batch_size))
-    local = torch.cat(features) if features else torch.zeros(0, 2048)
-    return _gather_in_order(accelerator, torch.tensor(mine, dtype=torch.long), local, len(files))
-
-
-def reference_statistics(ref: str, extractor, accelerator, batch_size: int, size: int | None = None):
-    """(mu, sigma) from an npz (ADM's keys `mu`, `sigma`) or from the images of a folder."""
-    path = Path(ref).expanduser()
-    if path.is_dir():
-        return feature_statistics(folder_features(path, extractor, accelerator, batch_size, size))
-    if not path.is_file():
-        raise ConfigError(f"FID reference {ref!r} does not exist: pass an .npz with mu and sigma, or an image folder.")
-    with np.load(path) as npz:
-        if "mu" not in npz or "sigma" not in npz:
-            raise ConfigError(f"FID reference {ref!r} has keys {sorted(npz.files)}, not 'mu' and 'sigma'.")
-        return npz["mu"].astype(np.float64), npz["sigma"].astype(np.float64)
-
-
-def sample_features(net, dataset, cfg: FIDConfig, accelerator, extractor) -> torch.Tensor:
-    """Inception features (num_samples, 2048) of generated images, gathered to every process."""
-    from train.sample import generate
-
-    num_batches = math.ceil(cfg.num_samples / cfg.batch_size)
-    mine = range(accelerator.process_index, num_batches, accelerator.num_processes)
-    indices, features = [], []
-    for b in tqdm(mine, desc="fid samples", disable=not accelerator.is_main_process):
-        ids = torch.arange(b * cfg.batch_size, min((b + 1) * cfg.batch_size, cfg.num_samples))
-        labels = ids % max(dataset.num_classes, 1)
-        x = generate(net, labels, shape=tuple(dataset.shape), steps=cfg.steps, guidance=cfg.guidance, seed=cfg.seed + b,
-                     device=accelerator.device, sampler=cfg.sampler, null_label=dataset.num_classes)
-        features.append(inception_features(extractor, dataset.to_images(x), cfg.batch_size))
-        indices.append(ids)
-    local_ids = torch.cat(indices) if indices else torch.zeros(0, dtype=torch.long)
-    local = torch.cat(features) if features else torch.zeros(0, 2048, device=accelerator.device)
-    return _gather_in_order(accelerator, local_ids, local, cfg.num_samples)
-
-
-def compute_fid(net, dataset, cfg_fid: Any, accelerator) -> float:
-    """FID of `net` (EDM denoiser, eval mode, on accelerator.device) against cfg_fid.ref; call on every process."""
-    cfg = fid_config(cfg_fid)
-    extractor = load_inception(cfg.inception, accelerator.device)
-    generated = sample_features(net, dataset, cfg, accelerator, extractor)
-    mu_ref, sigma_ref = _cached_reference(cfg.ref, extractor, accelerator, cfg.batch_size)
-    return frechet_distance(*feature_statistics(generated), mu_ref, sigma_ref)
-
-
-_REFERENCE_CACHE: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-
-
-def _cached_reference(ref: str, extractor, accelerator, batch_size: int):
-    # Periodic FID during training reuses the reference statistics instead of re-reading a folder every time.
-    if ref not in _REFERENCE_CACHE:
-        _REFERENCE_CACHE[ref] = reference_statistics(ref, extractor, accelerator, batch_size)
-    return _REFERENCE_CACHE[ref]
+from train.checkpoint import load_run
+from train.cli import friendly_errors
+from train.metrics.fid import FIDConfig, folder_features, reference_statistics, sample_features
+from train.metrics.frechet import feature_statistics, frechet_distance
+from train.metrics.inception import load_inception
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -202,8 +77,6 @@ def main(argv: list[str] | None = None) -> float | None:
         result["images"] = args.images
         out = args.out
     else:
-        from train.sample import load_run
-
         loaded = load_run(args.checkpoint, accelerator.device)
         cfg = FIDConfig(ref=args.ref, num_samples=args.num_samples, steps=args.steps, guidance=args.guidance,
                         sampler=args.sampler, batch_size=args.batch_size, seed=args.seed, inception=args.inception)
@@ -222,6 +95,4 @@ def main(argv: list[str] | None = None) -> float | None:
 
 
 if __name__ == "__main__":
-    from train.cli import friendly_errors
-
     friendly_errors(main)()

@@ -1,4 +1,4 @@
-"""Class-conditional sampling into an image grid (one row per class), for training previews and train.sample."""
+"""Image grids of class-conditional samples (one row per class), for training previews and train.sample."""
 
 from __future__ import annotations
 
@@ -6,21 +6,6 @@ from pathlib import Path
 
 import torch
 from torchvision.utils import make_grid, save_image
-
-from edm import SAMPLERS, CFGDenoiser, edm_sigmas
-
-
-@torch.no_grad()
-def generate(net, labels: torch.Tensor, *, shape, steps: int, guidance: float, seed: int, device, sampler: str = "heun",
-             null_label: int | None = None, progress: bool = False) -> torch.Tensor:
-    """Samples in model space (n, C, H, W) for `labels`; the same seed gives the same noise at every call."""
-    generator = torch.Generator().manual_seed(seed)
-    noise = torch.randn(len(labels), *shape, generator=generator).to(device)
-    sigmas = edm_sigmas(steps, device=device)
-    # Guidance needs the null class; without one (or with w = 1) the plain conditional model is used.
-    denoiser = CFGDenoiser(net, guidance, null_label) if null_label is not None else net
-    x = SAMPLERS[sampler](denoiser, noise * sigmas[0], sigmas, extra_args={"class_labels": labels.to(device)}, disable=not progress)
-    return x.float()
 
 
 def grid_labels(num_classes: int, per_class: int) -> torch.Tensor:

@@ -6,50 +6,15 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 
+from edm import generate
 from routing import ConfigError
-from train.build import build_net
-from train.checkpoint import latest_checkpoint, load_checkpoint
+from train.checkpoint import load_run
 from train.cli import friendly_errors
-from train.data import build_dataset
-from train.grid import generate, grid_labels, save_grid
-
-__all__ = ["Loaded", "generate", "load_run", "main"]
-
-
-@dataclass
-class Loaded:
-    net: torch.nn.Module  # EDM denoiser with EMA weights, eval mode: net(x, sigma, class_labels)
-    cfg: DictConfig
-    dataset: object
-    checkpoint: Path
-    step: int
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder, or a run folder (its latest checkpoint)."""
-    path = Path(path)
-    if (path / "state.json").is_file():
-        return path
-    latest = latest_checkpoint(path / "checkpoints")
-    if latest is None:
-        raise ConfigError(f"'{path}' is neither a checkpoint folder nor a run folder with checkpoints/latest; pass runs/X or runs/X/checkpoints/step_N.")
-    return latest
-
-
-def load_run(checkpoint: str | Path, device: str | torch.device = "cpu") -> Loaded:
-    path = resolve_checkpoint(checkpoint)
-    state = load_checkpoint(path)
-    cfg = state["config"]
-    dataset = build_dataset(cfg.data, cfg.edm.sigma_data)
-    net = build_net(cfg, dataset)
-    net.load_state_dict(state["ema"])
-    return Loaded(net.to(device).eval(), cfg, dataset, path, state["step"])
+from train.grid import grid_labels, save_grid
 
 
 @friendly_errors

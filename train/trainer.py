@@ -19,12 +19,12 @@ from omegaconf import DictConfig, OmegaConf
 from timm.utils import ModelEmaV3
 from tqdm.auto import tqdm
 
-from edm import EDMLoss, LogNormalSigma, reduce_loss
+from edm import EDMLoss, LogNormalSigma, generate, reduce_loss
 from routing import ConfigError
 from train.build import build_net
 from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from train.data import build_dataset
-from train.grid import generate, grid_labels, save_grid
+from train.grid import grid_labels, save_grid
 from train.logger import MetricsLogger
 
 
@@ -58,7 +58,7 @@ def check_config(cfg: DictConfig, num_processes: int) -> None:
     if not 0 <= cfg.edm.label_dropout < 1:
         raise ConfigError(f"edm.label_dropout={cfg.edm.label_dropout} must be in [0, 1).")
     if cfg.fid.every:
-        from train.fid import fid_config
+        from train.metrics.fid import fid_config
 
         fid_config(cfg.fid)  # a missing reference fails now, not hours into the run
 
@@ -189,7 +189,7 @@ class Trainer:
 
     def evaluate_fid(self) -> float:
         """FID of the EMA model; every process samples its share, all get the same value."""
-        from train.fid import compute_fid
+        from train.metrics.fid import compute_fid
 
         fid = compute_fid(self.ema.module.eval(), self.dataset, self.cfg.fid, self.acc)
         self.logger.log(self.step, {"fid": fid})

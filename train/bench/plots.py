@@ -1,4 +1,4 @@
-"""PNG plots of the cross-backbone benchmark (train/bench.py): loss against wall-clock time, and bar charts."""
+"""PNG plots of the cross-backbone benchmark (train/bench/): loss against wall-clock time, and bar charts."""
 
 from __future__ import annotations
 

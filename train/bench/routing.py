@@ -1,6 +1,6 @@
 """Routed vs unrouted training-step cost, in one run: FLOPs, FLOP-ideal speedup, measured speedup.
 
-    python -m train.bench_routing --backbone dit --presets tiny S --policy random
+    python -m train.bench.routing --backbone dit --presets tiny S --policy random
 
 Each preset is built twice from the same weights, once with `configs/routing/none.yaml` and once with the
 chosen policy's YAML (TREAD's default route r2->depth-4, ratio 0.5); steps are timed interleaved.
@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from backbones import build_backbone
 from edm import EDMPrecond
 from train.build import build_router
-from train.profile import count_flops, interleaved_medians, training_step
+from train.bench.timing import count_flops, interleaved_medians, training_step
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -65,7 +65,7 @@ def measure(args, preset: str) -> dict:
 
 
 def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m train.bench_routing", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m train.bench.routing", description=__doc__.splitlines()[0])
     p.add_argument("--backbone", default="dit", choices=["dit", "rwkv", "mamba"])
     p.add_argument("--presets", nargs="+", default=["tiny", "S"])
     p.add_argument("--policy", default="random", help="routing config to compare with none (random, rows, l1norm)")

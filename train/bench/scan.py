@@ -1,7 +1,7 @@
 """Benchmark of the selective scan on the CPU: our scan vs the sequential reference vs mambapy.
 
-    python -m train.bench_scan                      # B=8, L=256, D=768, N=16, 2 threads
-    python -m train.bench_scan --device cuda        # adds mamba-ssm's CUDA kernel when installed
+    python -m train.bench.scan                      # B=8, L=256, D=768, N=16, 2 threads
+    python -m train.bench.scan --device cuda        # adds mamba-ssm's CUDA kernel when installed
 
 Times forward and forward+backward of the same computation, y = selective_scan(u, delta, A, B, C, D) with
 delta = softplus(delta + delta_bias), and prints the ratios measured in this one run. mambapy (a pure-PyTorch
@@ -49,7 +49,7 @@ def _mambapy_scan() -> Callable | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m train.bench.scan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--dim", type=int, default=768)

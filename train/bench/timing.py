@@ -5,6 +5,7 @@ Speed is only ever measured here, in benchmark scripts that print ratios from on
 
 from __future__ import annotations
 
+import datetime
 import statistics
 import time
 from collections.abc import Callable
@@ -115,3 +116,8 @@ def peak_memory_bytes(fn: Callable[[], None], device) -> int | None:
     fn()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated()
+
+
+def now() -> str:
+    """Local time to the second, for the dates the benchmarks record."""
+    return datetime.datetime.now().isoformat(timespec="seconds")

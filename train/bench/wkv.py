@@ -1,6 +1,6 @@
 """Benchmark of Bi-WKV on the CPU: the chunked O(B T C) op vs the O(T^2) decay-matrix reference.
 
-    python -m train.bench_wkv                       # B=8, T=256, C=384, 2 threads
+    python -m train.bench.wkv                       # B=8, T=256, C=384, 2 threads
 
 Times forward and forward+backward of both on the same inputs (decays spread over w T in [-5, 3], the
 Vision-RWKV init range, keys ~ N(0, 1)) and prints the median of --repeats interleaved runs after one warm-up, the
@@ -14,11 +14,11 @@ import argparse
 import torch
 
 from backbones.ops.wkv import bi_wkv, bi_wkv_reference
-from train.profile import interleaved_medians
+from train.bench.timing import interleaved_medians
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m train.bench.wkv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--B", type=int, default=8)
     parser.add_argument("--T", type=int, default=256)
     parser.add_argument("--C", type=int, default=384)

@@ -1,4 +1,6 @@
-"""Dataset registry. Every dataset offers num_classes, shape (C, H, W), __len__,
+"""Data: the dataset registry, embedded and latent datasets, image files, and latent caching.
+
+Every dataset offers num_classes, shape (C, H, W), __len__,
 get(indices, generator) -> (x in model space, labels) and to_images(x) -> [0, 1] images for grids."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Inception FID needs downloaded weights and natural images; the embedded datasets
 neither. So the benchmark trains this classifier once per dataset (fixed seed, cached as safetensors keyed
 by dataset name and resolution) and scores class-conditional samples with it:
 
-- classifier-FD: the Fréchet distance (train/frechet.py) between Gaussians fitted to the classifier's
+- classifier-FD: the Fréchet distance (train/metrics/frechet.py) between Gaussians fitted to the classifier's
   penultimate features of generated and of real images. It is FID's formula on other features, so its
   numbers are comparable only with other classifier-FDs from the same classifier; it is NOT Inception FID.
 - class accuracy: how often the classifier recognises the class a sample was asked for.
@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from train.frechet import feature_statistics, frechet_distance
+from train.metrics.frechet import feature_statistics, frechet_distance
 
 
 @dataclass

@@ -1,0 +1,61 @@
+"""The grid of the cross-backbone table: one cell per (backbone, routing, seed), each a real training config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hydra import compose
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from backbones import family_module
+from routing import ConfigError, build_policy
+
+
+@dataclass
+class Cell:
+    """One training run of the grid: a (backbone, routing) pair at one seed, with its composed config."""
+
+    backbone: str
+    routing: str
+    seed: int
+    cfg: DictConfig
+    ablation: bool  # an unstructured subset on a scan-order backbone (TREAD's 1-D ablation)
+
+    @property
+    def key(self) -> str:
+        return f"{self.backbone}-{self.routing}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.key}-s{self.seed}"
+
+
+def is_ablation(cfg: DictConfig) -> bool:
+    """True when the routing picks tokens without a grid for blocks that scan one."""
+    if not cfg.routing.routes:
+        return False
+    policy = build_policy(cfg.routing.policy, **(cfg.routing.get("policy_kwargs") or {}))
+    return family_module(cfg.backbone.name).Block.needs_grid and not policy.yields_grid
+
+
+def compose_cell(bench: DictConfig, backbone: str, routing: str, seed: int) -> Cell:
+    """The real training config (configs/config.yaml) for one cell, with the bench's sizes and budget."""
+    try:
+        cfg = compose(config_name="config", overrides=[f"backbone={backbone}", f"routing={routing}", f"data={bench.dataset}",
+                                                       *bench.overrides])
+    except (MissingConfigException, OverrideParseException, ConfigCompositionException) as err:
+        raise ConfigError(f"{str(err).splitlines()[0]} (check grid.backbones, grid.routings, dataset and overrides).") from err
+    t = bench.train
+    with open_dict(cfg):
+        cfg.backbone = OmegaConf.merge(cfg.backbone, bench.sizes.get(backbone) or {})
+        ablation = is_ablation(cfg)
+        cfg.merge_with({
+            "seed": seed,
+            "run_dir": str(Path(bench.out_dir) / "runs" / f"{backbone}-{routing}-s{seed}"),
+            "routing": {"allow_unstructured": bool(cfg.routing.allow_unstructured or ablation)},
+            "trainer": {"max_minutes": t.minutes, "max_steps": t.max_steps, "batch_size": t.batch_size,
+                        "log_every": t.log_every, "sample_every": 0, "ckpt_every": 0, "cpu": bench.device == "cpu"},
+        })
+    return Cell(backbone, routing, seed, cfg, ablation)

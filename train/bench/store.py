@@ -1,0 +1,35 @@
+"""Resumable units: each measurement is saved atomically with the settings it was made under, and reused."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)  # a killed run leaves the old file or the new one, never half of one
+
+
+def reuse_or_compute(path: Path, settings: dict, compute: Callable[[], dict], what: str) -> dict:
+    """The result saved at `path` if it was measured with exactly `settings`, else `compute()` (then saved)."""
+    settings = json.loads(json.dumps(settings))  # JSON-normal form (tuples -> lists), as it is read back
+    if path.exists():
+        try:
+            saved = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            saved = {}
+        if saved.get("settings") == settings:
+            log.info(f"reused {what} from {path}")
+            return saved
+        log.info(f"{path} was measured with other settings; measuring {what} again")
+    result = {"settings": settings, **compute()}
+    write_json_atomic(path, result)
+    return result
