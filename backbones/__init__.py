@@ -7,7 +7,12 @@ import importlib
 from backbones.common import Backbone
 from routing.errors import ConfigError
 
-FAMILIES = {"dit": "backbones.dit", "rwkv": "backbones.rwkv", "mamba": "backbones.mamba"}
+FAMILIES = {
+    "dit": "backbones.dit",
+    "rwkv": "backbones.rwkv",
+    "mamba": "backbones.mamba",
+    "diffmoe": "backbones.diffmoe",
+}
 
 
 def family_module(name: str):
