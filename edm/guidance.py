@@ -86,3 +86,17 @@ class RoutingGuidance(nn.Module):
             return good
         bad = self._branch(self.bad_net, self.bad_force_ratio, self.gamma_2, x, sigma, class_labels)
         return bad + self.w * (good - bad)
+
+
+def with_routing_guidance(net: nn.Module, router, scale: float, gamma_1: float | None, gamma_2: float | None, *,
+                          unconditional: bool = False, null_label: int | None = None,
+                          bad_net: nn.Module | None = None, bad_router=None) -> nn.Module:
+    """`net` itself when scale == 1 (guidance off), else `RoutingGuidance` forcing ratios through `router.forced`.
+
+    `bad_net` (a weaker checkpoint) becomes the weak branch, forced at gamma_2 through its own `bad_router`.
+    """
+    if scale == 1.0:
+        return net
+    bad_force = bad_router.forced if bad_router is not None else None
+    return RoutingGuidance(net, router.forced, gamma_1, gamma_2, scale, unconditional=unconditional, null_label=null_label,
+                           bad_net=bad_net, bad_force_ratio=bad_force)

@@ -18,11 +18,13 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save_file
 
 from routing import ConfigError
-from train.build import build_net
+from train.build import build_net, objective_for
 from train.data import build_dataset
 
 # Sections that fix the shape of the network; changing them makes a checkpoint unloadable.
-MODEL_KEYS = ("backbone", "data")
+MODEL_KEYS = ("backbone", "data", "objective")
+# What a config written before a section existed meant by it.
+_ABSENT = {"objective": {"name": "edm"}}
 
 
 def save_checkpoint(ckpt_root: Path, step: int, model, ema_model, optimizer, cfg: DictConfig, keep: int = 2) -> Path:
@@ -63,7 +65,7 @@ def load_checkpoint(path: Path, cfg: DictConfig | None = None) -> dict:
     saved_cfg = OmegaConf.load(path / "config.yaml")
     if cfg is not None:
         for key in MODEL_KEYS:
-            mine, theirs = OmegaConf.to_container(cfg[key], resolve=True), OmegaConf.to_container(saved_cfg[key])
+            mine, theirs = (OmegaConf.to_container(c[key], resolve=True) if key in c else _ABSENT[key] for c in (cfg, saved_cfg))
             if mine != theirs:
                 diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
                 raise ConfigError(
@@ -92,7 +94,8 @@ def _write_atomic(path: Path, text: str) -> None:
 
 @dataclass
 class Loaded:
-    net: torch.nn.Module  # EDM denoiser with EMA weights, eval mode: net(x, sigma, class_labels)
+    net: torch.nn.Module  # the objective's network with EMA weights, eval mode: net(x, t, class_labels)
+    objective: object  # edm.EDM or edm.Flow, as trained
     cfg: DictConfig
     dataset: object
     checkpoint: Path
@@ -118,4 +121,4 @@ def load_run(checkpoint: str | Path, device: str | torch.device = "cpu") -> Load
     dataset = build_dataset(cfg.data, cfg.edm.sigma_data)
     net = build_net(cfg, dataset)
     net.load_state_dict(state["ema"])
-    return Loaded(net.to(device).eval(), cfg, dataset, path, state["step"])
+    return Loaded(net.to(device).eval(), objective_for(cfg), cfg, dataset, path, state["step"])

@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from routing import ConfigError
+from train.build import objective_name
 from train.checkpoint import load_run
 from train.cli import friendly_errors
 from train.metrics.fid import FIDConfig, folder_features, reference_statistics, sample_features
@@ -45,6 +47,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sampler", default=defaults.sampler, choices=("heun", "euler"))
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--objective", choices=("edm", "flow"), help="refuse the checkpoint unless it was trained with this objective")
+    parser.add_argument("--route-ratio", type=float, default=defaults.route_ratio, help="routed inference ratio (0 = off)")
+    parser.add_argument("--rg-scale", type=float, default=defaults.rg_scale, help="routing guidance w (1 = off)")
+    parser.add_argument("--rg-gamma1", type=float, default=defaults.rg_gamma1, help="routing guidance: strong branch's ratio")
+    parser.add_argument("--rg-gamma2", type=float, default=defaults.rg_gamma2, help="routing guidance: weak branch's ratio")
+    parser.add_argument("--rg-uncond", action="store_true", help="both routing-guidance branches unconditional")
+    parser.add_argument("--moe-threshold", type=float, help="DiffMoE: one capacity threshold for every expert")
+    parser.add_argument("--moe-target", type=float, help="DiffMoE: average activated experts per token")
     parser.add_argument("--out", help="JSON file for the result (default: <checkpoint>/fid.json with --checkpoint)")
     args = parser.parse_args(argv)
     if args.save_stats is None and args.ref is None:
@@ -78,13 +88,19 @@ def main(argv: list[str] | None = None) -> float | None:
         out = args.out
     else:
         loaded = load_run(args.checkpoint, accelerator.device)
-        cfg = FIDConfig(ref=args.ref, num_samples=args.num_samples, steps=args.steps, guidance=args.guidance,
-                        sampler=args.sampler, batch_size=args.batch_size, seed=args.seed, inception=args.inception)
-        generated = sample_features(loaded.net, loaded.dataset, cfg, accelerator, extractor)
+        trained = objective_name(loaded.cfg)
+        if args.objective and args.objective != trained:
+            raise ConfigError(f"checkpoint '{loaded.checkpoint}' was trained with objective={trained}, not --objective "
+                              f"{args.objective}; drop the flag or pass --objective {trained}.")
+        cfg = FIDConfig(**{f.name: getattr(args, f.name) for f in fields(FIDConfig)})
+        # The reference is checked (and its statistics computed) before hours of sampling, not after.
+        mu_ref, sigma_ref = reference_statistics(args.ref, extractor, accelerator, args.batch_size, args.size)
+        generated = sample_features(loaded.net, loaded.dataset, cfg, accelerator, extractor, loaded.objective)
         result.update(asdict(cfg), checkpoint=str(loaded.checkpoint), step=loaded.step)
         out = args.out or os.fspath(loaded.checkpoint / "fid.json")
 
-    mu_ref, sigma_ref = reference_statistics(args.ref, extractor, accelerator, args.batch_size, args.size)
+    if args.images:
+        mu_ref, sigma_ref = reference_statistics(args.ref, extractor, accelerator, args.batch_size, args.size)
     fid = frechet_distance(*feature_statistics(generated), mu_ref, sigma_ref)
     if accelerator.is_main_process:
         result.update(fid=fid, num_images=len(generated))

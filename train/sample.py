@@ -1,38 +1,69 @@
 """`python -m train.sample RUN_OR_CHECKPOINT`: sample a class-conditional image grid from EMA weights.
 
     python -m train.sample runs/2026-11-22_10-00-00 --guidance 2 --steps 40 --seed 0 --out grid.png
+    python -m train.sample runs/X --route-ratio 0.5                        # routed inference: cheaper evaluations
+    python -m train.sample runs/X --rg-scale 2 --rg-gamma1 0.3 --rg-gamma2 0.7   # routing guidance (TREAD)
+    python -m train.sample runs/X --moe-target 1.0                         # DiffMoE: 1 expert per token on average
 """
 
 from __future__ import annotations
 
 import argparse
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
-from edm import generate
+from backbones.diffmoe import set_inference_capacity
+from edm import generate, with_routing_guidance
+from edm.guidance import CFGDenoiser
 from routing import ConfigError
+from routing.router import count_flops
+from train.build import objective_name
 from train.checkpoint import load_run
 from train.cli import friendly_errors
 from train.grid import grid_labels, save_grid
 
 
-@friendly_errors
-def main(argv: list[str] | None = None) -> Path:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m train.sample", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="run folder (uses its latest checkpoint) or a checkpoint folder")
     parser.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale w (1 = off)")
-    parser.add_argument("--steps", type=int, default=40, help="Heun steps (EDM default 40)")
+    parser.add_argument("--steps", type=int, default=40, help="sampler steps (network evaluations: 1 per Euler step, 2 per Heun step)")
     parser.add_argument("--sampler", default="heun", choices=["heun", "euler"])
+    parser.add_argument("--objective", choices=["edm", "flow"], help="refuse the checkpoint unless it was trained with this objective")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--per-class", type=int, default=8, help="samples per class (one grid row per class)")
     parser.add_argument("--classes", type=int, nargs="*", help="class ids to sample (default: all)")
+    parser.add_argument("--route-ratio", type=float, default=0.0,
+                        help="routed inference: force routing at this selection ratio over the trained routes (0 = off)")
+    parser.add_argument("--rg-scale", type=float, default=1.0, help="routing guidance scale w (1 = off)")
+    parser.add_argument("--rg-gamma1", type=float, default=None, help="routing guidance: ratio of the strong branch (fewer tokens bypass)")
+    parser.add_argument("--rg-gamma2", type=float, default=0.5, help="routing guidance: ratio of the weak branch")
+    parser.add_argument("--rg-uncond", action="store_true", help="both routing-guidance branches unconditional (the released sample_tread)")
+    parser.add_argument("--rg-bad", help="routing guidance: a weaker checkpoint as the weak branch (autoguidance-style)")
+    parser.add_argument("--moe-threshold", type=float, help="DiffMoE: one capacity-predictor threshold for every expert")
+    parser.add_argument("--moe-target", type=float, help="DiffMoE: average activated experts per token")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, help="PNG path (default: <checkpoint>/samples_w<guidance>_seed<seed>.png)")
     args = parser.parse_args(argv)
+    for flag in ("steps", "per_class"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if not 0 <= args.route_ratio < 1:
+        parser.error(f"--route-ratio must be in [0, 1) (the fraction of tokens that bypass each route), got {args.route_ratio}")
+    return args
 
+
+@friendly_errors
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
     loaded = load_run(args.checkpoint, args.device)
-    ds = loaded.dataset
+    trained = objective_name(loaded.cfg)
+    if args.objective and args.objective != trained:
+        raise ConfigError(f"checkpoint '{loaded.checkpoint}' was trained with objective={trained}, not --objective {args.objective}; "
+                          f"drop the flag or pass --objective {trained}.")
+    ds, net, router = loaded.dataset, loaded.net, loaded.net.model.router
     if args.classes:
         bad = [c for c in args.classes if not 0 <= c < ds.num_classes]
         if bad:
@@ -40,12 +71,33 @@ def main(argv: list[str] | None = None) -> Path:
         labels = torch.tensor(args.classes).repeat_interleave(args.per_class)
     else:
         labels = grid_labels(ds.num_classes, args.per_class)
-    x = generate(loaded.net, labels, shape=ds.shape, steps=args.steps, guidance=args.guidance, seed=args.seed,
-                 device=args.device, sampler=args.sampler, null_label=ds.num_classes, progress=True)
+    if args.moe_threshold is not None or args.moe_target is not None:
+        set_inference_capacity(net, threshold=args.moe_threshold, target=args.moe_target)
+    bad = load_run(args.rg_bad, args.device).net if args.rg_bad else None
+    sampled = with_routing_guidance(net, router, args.rg_scale, args.rg_gamma1, args.rg_gamma2, unconditional=args.rg_uncond,
+                                    null_label=ds.num_classes, bad_net=bad, bad_router=bad.model.router if bad else None)
+    report_flops(net, sampled, router, args, ds)
+    x = generate(sampled, labels, shape=ds.shape, steps=args.steps, guidance=args.guidance, seed=args.seed, device=args.device,
+                 sampler=args.sampler, null_label=ds.num_classes, progress=True, objective=loaded.objective, router=router,
+                 route_ratio=args.route_ratio)
     out = args.out or loaded.checkpoint / f"samples_w{args.guidance:g}_seed{args.seed}.png"
     save_grid(ds.to_images(x), out, per_row=args.per_class)
-    print(f"wrote {out} ({len(labels)} samples, step {loaded.step}, guidance {args.guidance:g})")
+    print(f"wrote {out} ({len(labels)} samples, step {loaded.step}, objective {trained}, guidance {args.guidance:g})")
     return out
+
+
+def report_flops(net, sampled, router, args, ds) -> None:
+    """FLOPs of one sampler evaluation per image (CFG and routing guidance included) against the plain unrouted network."""
+    x = torch.zeros(1, *ds.shape, device=args.device)
+    t, label = torch.ones(1, device=args.device), torch.zeros(1, dtype=torch.long, device=args.device)
+    with router.forced(0.0):
+        plain = count_flops(lambda: net(x, t, label))
+    denoiser = CFGDenoiser(sampled, args.guidance, ds.num_classes)
+    # Sampling runs in eval mode, where routes are off unless forced (as `generate` does with route_ratio).
+    with router.forced(args.route_ratio) if args.route_ratio else nullcontext():
+        used = count_flops(lambda: denoiser(x, t, label))
+    print(f"FLOPs per image per sampler evaluation: {used / 1e9:.4f} G (unrouted, unguided network: {plain / 1e9:.4f} G, "
+          f"ratio {used / plain:.2f})")
 
 
 if __name__ == "__main__":

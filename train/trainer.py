@@ -19,9 +19,10 @@ from omegaconf import DictConfig, OmegaConf
 from timm.utils import ModelEmaV3
 from tqdm.auto import tqdm
 
-from edm import EDMLoss, LogNormalSigma, generate, reduce_loss
+from backbones.diffmoe import auxiliary_losses
+from edm import generate, reduce_loss
 from routing import ConfigError
-from train.build import build_net
+from train.build import build_net, objective_for
 from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from train.data import build_dataset
 from train.grid import grid_labels, save_grid
@@ -84,12 +85,12 @@ class Trainer:
         net = build_net(cfg, self.dataset)
         self.backbone = net.model
         self.micro_batch = t.batch_size // (self.acc.num_processes * t.grad_accum)
-        self.sigma_dist = LogNormalSigma(cfg.edm.P_mean, cfg.edm.P_std)
-        self.loss_fn = EDMLoss(cfg.edm.sigma_data)
+        self.objective = objective_for(cfg)
         optimizer = torch.optim.AdamW(net.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
         self.ema = ModelEmaV3(net, decay=t.ema_decay, use_warmup=t.ema_warmup, device=self.acc.device)
         self.net, self.optimizer = self.acc.prepare(net, optimizer)
         self.step = 0
+        self.last_aux: dict[str, float] = {}  # the last step's auxiliary losses (MoE), logged beside the loss
         self._maybe_resume()
         self.logger = MetricsLogger(self.run_dir, self.acc.is_main_process, resume_step=self.step)
 
@@ -124,10 +125,10 @@ class Trainer:
         # Draw the whole global batch's randomness, then take this process's slices.
         g = seeded(cfg.seed, self.step, 0)
         indices = global_indices(cfg.seed, self.step, G, len(self.dataset))
-        sigma_all = self.sigma_dist(G, g)
+        t_all = self.objective.sample_time(G, g)  # EDM: sigma; flow: t
         noise_all = torch.randn(G, *self.dataset.shape, generator=g)
         drop_all = torch.rand(G, generator=g) < cfg.edm.label_dropout
-        losses = []
+        losses, aux_sums = [], {}
         for micro in range(cfg.trainer.grad_accum):
             start = (micro * acc.num_processes + acc.process_index) * b
             part = slice(start, start + b)
@@ -136,16 +137,22 @@ class Trainer:
             self.backbone.router.generator = seeded(cfg.seed, self.step, 3, start)
             with acc.accumulate(self.net):
                 with acc.autocast():
-                    per_elem = self.loss_fn(self.net, y.to(acc.device), labels.to(acc.device), sigma_all[part].to(acc.device), noise_all[part].to(acc.device))
+                    per_elem = self.objective.loss(self.net, y.to(acc.device), labels.to(acc.device), t_all[part].to(acc.device),
+                                                   noise_all[part].to(acc.device))
                     masks = self.backbone.route_masks() if cfg.edm.loss == "route_aware" else None
-                    loss = reduce_loss(per_elem, masks)
+                    diffusion = reduce_loss(per_elem, masks)
+                    # Auxiliary losses of MoE blocks (load balance, capacity predictor); none for other families.
+                    aux = auxiliary_losses(self.net)
+                    loss = diffusion + sum(aux.values()) if aux else diffusion
                 acc.backward(loss)
                 if acc.sync_gradients and cfg.trainer.grad_clip:
                     acc.clip_grad_norm_(self.net.parameters(), cfg.trainer.grad_clip)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
+            losses.append(diffusion.detach())
+            aux_sums = {k: aux_sums.get(k, 0) + v.detach() / cfg.trainer.grad_accum for k, v in aux.items()}
         self.step += 1
+        self.last_aux = {k: acc.reduce(v, reduction="mean").item() for k, v in aux_sums.items()}
         self.ema.update(self.acc.unwrap_model(self.net), step=self.step)
         return acc.reduce(torch.stack(losses).mean(), reduction="mean").item()
 
@@ -174,7 +181,8 @@ class Trainer:
             bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{images_per_s:.0f}")
             last = self.step == t.max_steps or time.perf_counter() - began > budget
             if self.step % t.log_every == 0 or last:
-                self.logger.log(self.step, {"loss": loss, "images_per_s": images_per_s, "seconds": time.perf_counter() - began})
+                self.logger.log(self.step, {"loss": loss, **self.last_aux, "images_per_s": images_per_s,
+                                            "seconds": time.perf_counter() - began})
             if t.sample_every and (self.step % t.sample_every == 0 or last):
                 self.sample_grid()
             if cfg.fid.every and (self.step % cfg.fid.every == 0 or last):
@@ -191,7 +199,7 @@ class Trainer:
         """FID of the EMA model; every process samples its share, all get the same value."""
         from train.metrics.fid import compute_fid
 
-        fid = compute_fid(self.ema.module.eval(), self.dataset, self.cfg.fid, self.acc)
+        fid = compute_fid(self.ema.module.eval(), self.dataset, self.cfg.fid, self.acc, self.objective)
         self.logger.log(self.step, {"fid": fid})
         self.acc.print(f"step {self.step}: FID {fid:.2f}")
         return fid
@@ -209,8 +217,10 @@ class Trainer:
         path = self.run_dir / "samples" / f"step_{self.step:07d}.png"
         if self.acc.is_main_process:
             labels = grid_labels(self.dataset.num_classes, s.per_class)
-            x = generate(self.ema.module.eval(), labels, shape=self.dataset.shape, steps=s.steps, guidance=s.guidance,
-                         seed=s.seed, device=self.acc.device, null_label=self.dataset.num_classes)
+            ema = self.ema.module.eval()
+            x = generate(ema, labels, shape=self.dataset.shape, steps=s.steps, guidance=s.guidance, seed=s.seed,
+                         device=self.acc.device, null_label=self.dataset.num_classes, objective=self.objective,
+                         router=ema.model.router)
             save_grid(self.dataset.to_images(x), path, per_row=s.per_class)
         self.acc.wait_for_everyone()
         return path

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from edm import generate
+from backbones.diffmoe import set_inference_capacity
+from edm import Objective, generate, with_routing_guidance
 from routing.errors import ConfigError
 from train.data.images import image_files, load_image
 from train.metrics.frechet import feature_statistics, frechet_distance
@@ -37,6 +38,13 @@ class FIDConfig:
     batch_size: int = 64  # samples per global batch; also the Inception batch
     seed: int = 0
     inception: str | None = None  # local weights file; None: torch hub's checkpoints folder
+    route_ratio: float = 0.0  # routed inference: routing forced at this ratio over the trained routes (0 = off)
+    rg_scale: float = 1.0  # routing guidance w (1 = off): D(gamma_2) + w (D(gamma_1) - D(gamma_2))
+    rg_gamma1: float | None = None  # strong branch's ratio (None: unrouted)
+    rg_gamma2: float = 0.5  # weak branch's ratio
+    rg_uncond: bool = False  # both branches unconditional (the released sample_tread)
+    moe_threshold: float | None = None  # DiffMoE: one capacity-predictor threshold for every expert
+    moe_target: float | None = None  # DiffMoE: average activated experts per token (None, None: learned thresholds)
 
 
 def fid_config(cfg_fid: Any) -> FIDConfig:
@@ -96,16 +104,22 @@ def reference_statistics(ref: str, extractor, accelerator, batch_size: int, size
         return npz["mu"].astype(np.float64), npz["sigma"].astype(np.float64)
 
 
-def sample_features(net, dataset, cfg: FIDConfig, accelerator, extractor) -> torch.Tensor:
+def sample_features(net, dataset, cfg: FIDConfig, accelerator, extractor, objective: Objective | None = None) -> torch.Tensor:
     """Inception features (num_samples, 2048) of generated images, gathered to every process."""
+    router = net.model.router
+    if cfg.moe_threshold is not None or cfg.moe_target is not None:
+        set_inference_capacity(net, threshold=cfg.moe_threshold, target=cfg.moe_target)
+    sampled = with_routing_guidance(net, router, cfg.rg_scale, cfg.rg_gamma1, cfg.rg_gamma2, unconditional=cfg.rg_uncond,
+                                    null_label=dataset.num_classes)
     num_batches = math.ceil(cfg.num_samples / cfg.batch_size)
     mine = range(accelerator.process_index, num_batches, accelerator.num_processes)
     indices, features = [], []
     for b in tqdm(mine, desc="fid samples", disable=not accelerator.is_main_process):
         ids = torch.arange(b * cfg.batch_size, min((b + 1) * cfg.batch_size, cfg.num_samples))
         labels = ids % max(dataset.num_classes, 1)
-        x = generate(net, labels, shape=tuple(dataset.shape), steps=cfg.steps, guidance=cfg.guidance, seed=cfg.seed + b,
-                     device=accelerator.device, sampler=cfg.sampler, null_label=dataset.num_classes)
+        x = generate(sampled, labels, shape=tuple(dataset.shape), steps=cfg.steps, guidance=cfg.guidance, seed=cfg.seed + b,
+                     device=accelerator.device, sampler=cfg.sampler, null_label=dataset.num_classes, objective=objective,
+                     router=router, route_ratio=cfg.route_ratio)
         features.append(inception_features(extractor, dataset.to_images(x), cfg.batch_size))
         indices.append(ids)
     local_ids = torch.cat(indices) if indices else torch.zeros(0, dtype=torch.long)
@@ -113,12 +127,12 @@ def sample_features(net, dataset, cfg: FIDConfig, accelerator, extractor) -> tor
     return _gather_in_order(accelerator, local_ids, local, cfg.num_samples)
 
 
-def compute_fid(net, dataset, cfg_fid: Any, accelerator) -> float:
-    """FID of `net` (EDM denoiser, eval mode, on accelerator.device) against cfg_fid.ref; call on every process."""
+def compute_fid(net, dataset, cfg_fid: Any, accelerator, objective: Objective | None = None) -> float:
+    """FID of `net` (the objective's network, eval mode, on accelerator.device) against cfg_fid.ref; call on every process."""
     cfg = fid_config(cfg_fid)
     extractor = load_inception(cfg.inception, accelerator.device)
-    generated = sample_features(net, dataset, cfg, accelerator, extractor)
-    mu_ref, sigma_ref = _cached_reference(cfg.ref, extractor, accelerator, cfg.batch_size)
+    mu_ref, sigma_ref = _cached_reference(cfg.ref, extractor, accelerator, cfg.batch_size)  # a bad reference fails first
+    generated = sample_features(net, dataset, cfg, accelerator, extractor, objective)
     return frechet_distance(*feature_statistics(generated), mu_ref, sigma_ref)
 
 
