@@ -61,3 +61,27 @@ def objective_for(cfg: DictConfig) -> Objective:
 def build_net(cfg: DictConfig, dataset) -> nn.Module:
     """The trained network for `dataset`: D(x; sigma, labels) for EDM, v(z, t, labels) for flow."""
     return objective_for(cfg).wrap(build_backbone_for(cfg, dataset.shape, dataset.num_classes))
+
+
+def compile_blocks(model: Backbone) -> None:
+    """torch.compile every block in place (`trainer.compile=true`), so state-dict keys stay unchanged.
+
+    Blocks of one family share their code and dynamo treats their parameters as inputs, so the whole stack
+    reuses a few graphs: one per token count (the full sequence and each route's subset, static for a config,
+    hence dynamic=False), per autocast state (the fp32 block after a route) and per Python constant that
+    differs between layers (Mamba's scan order). The recompile limit is raised to fit them all.
+    """
+    import torch._dynamo
+
+    limit = 4 * len(model.blocks)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 8 * limit)
+    for block in model.blocks:
+        block.compile(dynamic=False)
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (reported after the first compiled steps)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

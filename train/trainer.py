@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from backbones.diffmoe import auxiliary_losses
 from edm import generate, reduce_loss
 from routing import ConfigError
-from train.build import build_net, objective_for
+from train.build import build_net, compile_blocks, compiled_graphs, objective_for
 from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from train.data import build_dataset
 from train.grid import grid_labels, save_grid
@@ -86,8 +86,17 @@ class Trainer:
         self.backbone = net.model
         self.micro_batch = t.batch_size // (self.acc.num_processes * t.grad_accum)
         self.objective = objective_for(cfg)
-        optimizer = torch.optim.AdamW(net.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+        on_cuda = self.acc.device.type == "cuda"
+        if on_cuda:
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # fp32 matmuls on tensor cores
+        # The fused kernel updates every parameter in one launch on CUDA; the CPU keeps the reference loop.
+        optimizer = torch.optim.AdamW(net.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, fused=on_cuda)
+        # timm's EMA updates with foreach kernels (one launch per tensor list, not per tensor).
         self.ema = ModelEmaV3(net, decay=t.ema_decay, use_warmup=t.ema_warmup, device=self.acc.device)
+        # Compiled after the EMA copy: a deep copy of a compiled block would call the original's compiled code.
+        self.compile_report_pending = bool(t.get("compile"))
+        if self.compile_report_pending:
+            compile_blocks(self.backbone)
         self.net, self.optimizer = self.acc.prepare(net, optimizer)
         self.step = 0
         self.last_aux: dict[str, float] = {}  # the last step's auxiliary losses (MoE), logged beside the loss
@@ -120,6 +129,16 @@ class Trainer:
     # One optimizer step.
 
     def train_step(self) -> float:
+        acc = self.acc
+        if self.compile_report_pending:
+            began = time.perf_counter()
+            loss = self._train_step()
+            self.compile_report_pending = False
+            acc.print(f"trainer.compile: first step (compiling) {time.perf_counter() - began:.1f} s, {compiled_graphs()} graphs")
+            return loss
+        return self._train_step()
+
+    def _train_step(self) -> float:
         cfg, acc = self.cfg, self.acc
         G, b = cfg.trainer.batch_size, self.micro_batch
         # Draw the whole global batch's randomness, then take this process's slices.

@@ -1,7 +1,8 @@
 """Benchmark of the selective scan on the CPU: our scan vs the sequential reference vs mambapy.
 
     python -m train.bench.scan                      # B=8, L=256, D=768, N=16, 2 threads
-    python -m train.bench.scan --device cuda        # adds mamba-ssm's CUDA kernel when installed
+    python -m train.bench.scan --device cuda        # adds our Triton kernel, and mamba-ssm's when installed
+    python -m train.bench.scan --device cuda --batch 64 --dim 768 --dtype bf16 --ref-repeats 0   # the issue's shape
 
 Times forward and forward+backward of the same computation, y = selective_scan(u, delta, A, B, C, D) with
 delta = softplus(delta + delta_bias), and prints the ratios measured in this one run. mambapy (a pure-PyTorch
@@ -19,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from backbones.ops.cuda_kernels import cuda_selective_scan
+from backbones.ops.cuda_kernels import cuda_selective_scan, triton_selective_scan
 from backbones.ops.selective_scan import num_chunks, selective_scan, selective_scan_ref
 
 
@@ -57,7 +58,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds; the minimum is reported")
     parser.add_argument("--ref-repeats", type=int, default=2, help="rounds with the slow reference (0 skips it)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--device", default="cpu", help="cuda adds mamba-ssm's kernel when it is installed")
+    parser.add_argument("--device", default="cpu", help="cuda adds our Triton kernel, and mamba-ssm's when it is installed")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="dtype of u, delta, B, C (state and sums stay fp32)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -65,18 +67,19 @@ def main() -> None:
 
     # Inputs in mamba-ssm's layout, sized like one direction of a Mamba mixer.
     b, d, l, n = args.batch, args.dim, args.length, args.state
-    u = torch.randn(b, d, l, device=device, requires_grad=True)
-    delta = torch.randn(b, d, l, device=device, requires_grad=True)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    u = torch.randn(b, d, l, device=device, dtype=dtype, requires_grad=True)
+    delta = torch.randn(b, d, l, device=device, dtype=dtype, requires_grad=True)
     delta_bias = torch.full((d,), -4.0, device=device, requires_grad=True)  # softplus(-4) ~ 0.018, a typical dt
     A = (-torch.arange(1, n + 1.0, device=device).repeat(d, 1)).requires_grad_()  # (d, n), Mamba's S4D-real init
-    B = torch.randn(b, n, l, device=device, requires_grad=True)
-    C = torch.randn(b, n, l, device=device, requires_grad=True)
+    B = torch.randn(b, n, l, device=device, dtype=dtype, requires_grad=True)
+    C = torch.randn(b, n, l, device=device, dtype=dtype, requires_grad=True)
     D = torch.ones(d, device=device, requires_grad=True)
     ours = lambda: selective_scan(u, delta, A, B, C, D, delta_bias=delta_bias, delta_softplus=True)  # noqa: E731
     ref = lambda: selective_scan_ref(u, delta, A, B, C, D, delta_bias=delta_bias, delta_softplus=True)  # noqa: E731
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
-    print(f"selective scan, B={b} L={l} D={d} N={n}, fp32, {where}, torch {torch.__version__}")
+    print(f"selective scan, B={b} L={l} D={d} N={n}, {args.dtype}, {where}, torch {torch.__version__}")
     chunks = num_chunks(l, b * d * n, device.type == "cuda")
     path = f"chunked ({chunks} chunks)" if device.type == "cuda" or chunks > 1 else "streaming"
     print(f"ours takes the {path} path")
@@ -86,6 +89,12 @@ def main() -> None:
     kernel = cuda_selective_scan() if device.type == "cuda" else None
     if kernel is not None:
         rows["mamba-ssm CUDA"] = (lambda: kernel(u, delta, A, B, C, D, None, delta_bias, True), args.repeats)
+    triton_scan = triton_selective_scan() if device.type == "cuda" else None
+    if triton_scan is not None:
+        rows["Triton"] = (lambda: triton_scan(u, delta, A, B, C, D, None, delta_bias, True), args.repeats)
+        with torch.no_grad():
+            diff = (rows["Triton"][0]().float() - ours().float()).abs().max().item()
+        print(f"Triton matches ours to max |diff| = {diff:.1e}")
     pscan_scan = _mambapy_scan()
     if pscan_scan is None:
         print("mambapy is not installed (pip install mambapy); its column is skipped.")
@@ -108,6 +117,8 @@ def main() -> None:
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in rows}
     for fn, repeats in rows.values():
         if repeats > 1:  # the slow reference, timed once or twice, is not worth a warm-up
+            # Both variants: a kernel's no-grad forward may be compiled separately (Triton stores no states there).
+            _once(fn, False, device)
             _once(fn, True, device)
     for round_idx in range(args.repeats):
         for name, (fn, repeats) in rows.items():
