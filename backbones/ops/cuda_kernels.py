@@ -1,15 +1,25 @@
-"""Dispatch the Mamba ops to the mamba-ssm / causal-conv1d CUDA kernels when they are installed and the
-tensors are on CUDA, and to our pure-PyTorch ops otherwise.
+"""Dispatch the Mamba ops to the fastest available implementation for the tensors' device.
 
-The kernels come with the `cuda` extra (`pip install -e '.[cuda]'`). They are imported lazily, on the first
-call with CUDA tensors, and guarded with `except Exception`: importing mamba_ssm raises more than
-ImportError (e.g. an undefined symbol) on a machine where its compiled extension does not match.
+Selective scan, `backend="auto"` (the default):
+1. CUDA tensors with mamba-ssm importable: its `selective_scan_fn`, the upstream kernel, tuned and the one
+   published Mamba numbers come from (our Triton kernel's speed against it is not yet measured).
+2. CUDA tensors otherwise: our fused Triton kernel (`backbones/ops/selective_scan_triton.py`); Triton
+   ships with torch, so this is the usual GPU path.
+3. CPU tensors, or CUDA without Triton: our pure-PyTorch scan (`backbones/ops/selective_scan.py`).
+`backend="mamba_ssm" | "triton" | "torch"` forces one (an error if it cannot run); the environment
+variable TREAD_SCAN_BACKEND sets the default, so a training run can be switched without code changes.
+`backend="triton"` on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1; tests only).
+
+The CUDA kernels come with the `cuda` extra (`pip install -e '.[cuda]'`). They, and Triton, are imported
+lazily, on the first call that wants them, and guarded with `except Exception`: importing mamba_ssm raises
+more than ImportError (e.g. an undefined symbol) on a machine where its compiled extension does not match.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -48,6 +58,20 @@ def cuda_causal_conv1d() -> Callable | None:
     return causal_conv1d_fn
 
 
+@functools.cache
+def triton_selective_scan() -> Callable | None:
+    """Our Triton selective scan, or None when Triton cannot be imported."""
+    try:
+        from backbones.ops.selective_scan_triton import selective_scan_triton
+    except Exception as err:  # noqa: BLE001 - any failure means "use the PyTorch scan"
+        log.info("Triton unavailable (%s: %s)", type(err).__name__, err)
+        return None
+    return selective_scan_triton
+
+
+SCAN_BACKENDS = ("auto", "mamba_ssm", "triton", "torch")
+
+
 def scan_fn(
     u: torch.Tensor,
     delta: torch.Tensor,
@@ -58,14 +82,32 @@ def scan_fn(
     z: torch.Tensor | None = None,
     delta_bias: torch.Tensor | None = None,
     delta_softplus: bool = False,
+    backend: str | None = None,
 ) -> torch.Tensor:
-    """selective_scan_fn semantics (see backbones/ops/selective_scan.py) on the fastest available path."""
-    kernel = cuda_selective_scan() if u.is_cuda else None
-    if kernel is not None:
-        _announce("selective scan: mamba-ssm CUDA kernel")
-        return kernel(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+    """selective_scan_fn semantics (see backbones/ops/selective_scan.py) on the path `backend` names.
+
+    backend: one of SCAN_BACKENDS; None reads TREAD_SCAN_BACKEND (default "auto", see the module docstring).
+    """
+    backend = backend or os.environ.get("TREAD_SCAN_BACKEND", "auto")
+    if backend not in SCAN_BACKENDS:
+        raise ValueError(f"selective scan backend must be one of {SCAN_BACKENDS}, got {backend!r}")
+    args = (u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+    if backend in ("auto", "mamba_ssm"):
+        kernel = cuda_selective_scan() if u.is_cuda else None
+        if kernel is not None:
+            _announce("selective scan: mamba-ssm CUDA kernel")
+            return kernel(*args)
+        if backend == "mamba_ssm":
+            raise RuntimeError("backend='mamba_ssm' needs CUDA tensors and mamba-ssm (pip install -e '.[cuda]')")
+    if backend == "triton" or (backend == "auto" and u.is_cuda):
+        kernel = triton_selective_scan()
+        if kernel is not None:
+            _announce("selective scan: Triton kernel")
+            return kernel(*args)
+        if backend == "triton":
+            raise RuntimeError("backend='triton' needs Triton, which ships with torch; `import triton` failed")
     _announce("selective scan: pure-PyTorch chunked scan")
-    return selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+    return selective_scan(*args)
 
 
 def conv_fn(
