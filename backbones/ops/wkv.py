@@ -33,10 +33,16 @@ bf16 / fp16 inputs are computed in fp32 and returned in their dtype.
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from backbones.ops.autocast import fp32_operator
+
+log = logging.getLogger(__name__)
 
 # Largest |w| L inside one chunk: every decay factor within a chunk stays inside e^{+-12}.
 _MAX_CHUNK_DECAY = 12.0
@@ -232,14 +238,38 @@ class _BiWKV(torch.autograd.Function):
         return dw, du, dk, dv, None
 
 
+@functools.cache
+def _triton_bi_wkv() -> Callable | None:
+    """The fused Triton op (backbones/ops/wkv_triton.py), or None when triton cannot be imported here."""
+    try:
+        from backbones.ops.wkv_triton import bi_wkv_triton
+    except Exception as err:  # noqa: BLE001 - any failure means "use the PyTorch op"
+        log.info("Triton Bi-WKV unavailable (%s: %s)", type(err).__name__, err)
+        return None
+    return bi_wkv_triton
+
+
 @fp32_operator
-def bi_wkv(w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_len: int = 32) -> torch.Tensor:
+def bi_wkv(
+    w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_len: int = 32, backend: str = "auto"
+) -> torch.Tensor:
     """Bi-WKV of k, v (B, T, C) with decay w and bonus u (C,), exact in O(B T C); returns (B, T, C).
 
-    chunk_len is the longest chunk: the matmul costs O(B T L C) and the carry loop T / L steps. It is
-    shortened automatically for very fast decays (|w| chunk_len > 24), see the module docstring.
+    backend: "auto" runs the fused Triton kernels for CUDA tensors in fp32 / bf16 / fp16 when triton imports,
+    and this chunked PyTorch op otherwise; "torch" always takes the chunked op; "triton" always takes the
+    kernels (on CPU through Triton's interpreter, TRITON_INTERPRET=1, which is how the tests check them).
+    chunk_len (chunked op only) is the longest chunk: the matmul costs O(B T L C) and the carry loop T / L
+    steps. It is shortened automatically for very fast decays (|w| chunk_len > 24), see the module docstring.
     """
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"bi_wkv backend={backend!r}: use 'auto', 'torch' or 'triton'.")
     dtype = torch.promote_types(torch.promote_types(k.dtype, v.dtype), torch.float32)
+    if backend == "triton":
+        from backbones.ops.wkv_triton import bi_wkv_triton  # forced: an import error should surface
+
+        return bi_wkv_triton(w, u, k, v)
+    if backend == "auto" and k.is_cuda and dtype == torch.float32 and _triton_bi_wkv() is not None:
+        return _triton_bi_wkv()(w, u, k, v)
     y = _BiWKV.apply(w.to(dtype), u.to(dtype), k.to(dtype), v.to(dtype), chunk_len)
     return y.to(torch.promote_types(k.dtype, v.dtype))
 
