@@ -1,14 +1,19 @@
 """Routed vs unrouted training-step cost, in one run: FLOPs, FLOP-ideal speedup, measured speedup.
 
     python -m train.bench.routing --backbone dit --presets tiny S --policy random
+    python -m train.bench.routing --presets S B XL --batch 128 --device cuda --bf16 --compile --repeats 20 --warmup 5
 
 Each preset is built twice from the same weights, once with `configs/routing/none.yaml` and once with the
 chosen policy's YAML (TREAD's default route r2->depth-4, ratio 0.5); steps are timed interleaved.
+With --compile every block is compiled as `trainer.compile=true` does; the first routed and unrouted steps
+(compilation) are timed apart and the number of graphs is printed. On CUDA the table adds model FLOPs
+utilization: counted FLOPs / step time / the card's dense bf16 peak (--peak-tflops, or known from its name).
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 import torch
@@ -16,10 +21,10 @@ from omegaconf import OmegaConf
 
 from backbones import build_backbone
 from edm import EDMPrecond
-from train.build import build_router
+from train.build import build_router, compile_blocks, compiled_graphs
 from train.bench.timing import count_flops, interleaved_medians, training_step
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def routed_pair(backbone: str, preset: str, policy: str, input_size: int, channels: int, patch: int, num_classes: int, device):
@@ -28,8 +33,21 @@ def routed_pair(backbone: str, preset: str, policy: str, input_size: int, channe
     routing = OmegaConf.load(CONFIGS / "routing" / f"{policy}.yaml")
     routing.allow_unstructured = True  # the benchmark also measures the 1-D ablation for scan models
     router = build_router(routing, model)
+    # Selection drawn on the device, as the trainer does: no host copy per route.
+    router.generator = torch.Generator(device=device).manual_seed(0)
     net = EDMPrecond(model).to(device).train()
     return net, router
+
+
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) of cards the benchmark knows by name.
+PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def peak_tflops(device: torch.device, given: float | None) -> float | None:
+    if given or device.type != "cuda":
+        return given
+    name = torch.cuda.get_device_name(device)
+    return next((tflops for key, tflops in PEAK_BF16_TFLOPS.items() if key in name), None)
 
 
 def measure(args, preset: str) -> dict:
@@ -50,8 +68,21 @@ def measure(args, preset: str) -> dict:
 
     flops = {"unrouted": count_flops(unrouted), "routed": count_flops(routed)}
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
+    compile_seconds, graphs = None, None
+    if args.compile:
+        compile_blocks(model)
+        before = compiled_graphs()
+        tic = time.perf_counter()
+        with autocast:
+            unrouted()
+            routed()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        compile_seconds, graphs = time.perf_counter() - tic, compiled_graphs() - before
     with autocast:
         seconds = interleaved_medians({"unrouted": unrouted, "routed": routed}, args.repeats, args.warmup, device)
+    peak = peak_tflops(device, args.peak_tflops)
+    mfu = {k: flops[k] / seconds[k] / (peak * 1e12) for k in flops} if peak else {"unrouted": None, "routed": None}
     ideal = flops["unrouted"] / flops["routed"]
     measured = seconds["unrouted"] / seconds["routed"]
     route = router.routes[0]
@@ -61,12 +92,13 @@ def measure(args, preset: str) -> dict:
         "gflops_unrouted": flops["unrouted"] / 1e9, "gflops_routed": flops["routed"] / 1e9,
         "ideal": ideal, "ms_unrouted": seconds["unrouted"] * 1e3, "ms_routed": seconds["routed"] * 1e3,
         "measured": measured, "efficiency": measured / ideal,
+        "mfu_unrouted": mfu["unrouted"], "mfu_routed": mfu["routed"], "compile_s": compile_seconds, "graphs": graphs,
     }
 
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m train.bench.routing", description=__doc__.splitlines()[0])
-    p.add_argument("--backbone", default="dit", choices=["dit", "rwkv", "mamba"])
+    p.add_argument("--backbone", default="dit", choices=["dit", "rwkv", "mamba", "diffmoe"])
     p.add_argument("--presets", nargs="+", default=["tiny", "S"])
     p.add_argument("--policy", default="random", help="routing config to compare with none (random, rows, l1norm)")
     p.add_argument("--input-size", type=int, default=32, help="latent side; 32 with patch 2 gives 256 tokens")
@@ -78,12 +110,16 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--device", default="cpu")
     p.add_argument("--bf16", action="store_true", help="autocast to bf16 (GPU)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--compile", action="store_true", help="torch.compile every block, as trainer.compile=true")
+    p.add_argument("--peak-tflops", type=float, default=None, help="the card's dense bf16 peak, for MFU (default: known cards)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    print(f"{args.backbone} | policy={args.policy} | device={args.device} | threads={torch.get_num_threads()} | bf16={args.bf16}")
-    header = "| preset | tokens | batch | route | GFLOPs unrouted | GFLOPs routed | ideal speedup | ms unrouted | ms routed | measured speedup | efficiency |"
+    where = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"cpu, threads={torch.get_num_threads()}"
+    print(f"{args.backbone} | policy={args.policy} | {where} | bf16={args.bf16} | compile={args.compile} | torch {torch.__version__}")
+    header = ("| preset | tokens | batch | route | GFLOPs unrouted | GFLOPs routed | ideal speedup | ms unrouted | ms routed | "
+              "measured speedup | efficiency | MFU unrouted | MFU routed | compile s (graphs) |")
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     rows = []
@@ -92,8 +128,17 @@ def main(argv=None) -> list[dict]:
         rows.append(r)
         print(f"| {args.backbone}-{r['preset']}/{args.patch} | {r['tokens']} | {r['batch']} | {r['route']} | {r['gflops_unrouted']:.1f} | "
               f"{r['gflops_routed']:.1f} | {r['ideal']:.3f}x | {r['ms_unrouted']:.1f} | {r['ms_routed']:.1f} | "
-              f"{r['measured']:.3f}x | {r['efficiency']:.2f} |", flush=True)
+              f"{r['measured']:.3f}x | {r['efficiency']:.2f} | {_pct(r['mfu_unrouted'])} | {_pct(r['mfu_routed'])} | "
+              f"{_compiled(r)} |", flush=True)
     return rows
+
+
+def _compiled(row: dict) -> str:
+    return "-" if row["compile_s"] is None else f"{row['compile_s']:.0f} ({row['graphs']})"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
 
 
 if __name__ == "__main__":

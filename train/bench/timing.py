@@ -24,7 +24,7 @@ def training_step(net, batch: int, shape, num_classes: int, device, seed: int = 
     sigma = LogNormalSigma()(batch, g).to(device)
     noise = torch.randn(batch, *shape, generator=g).to(device)
     loss_fn = EDMLoss(net.sigma_data)
-    optimizer = torch.optim.AdamW(net.parameters(), lr=lr)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=lr, fused=torch.device(device).type == "cuda")  # as the trainer
 
     def step() -> None:
         loss_fn(net, y, labels, sigma, noise).mean().backward()
