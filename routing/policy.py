@@ -2,6 +2,13 @@
 
 A policy sees the token tensor and its grid and returns the sorted indices of the tokens that run
 through the route (so raster order is kept) and, when the subset is itself a grid, that grid.
+
+Force-keep masks: `select(..., force_keep=mask)` with a (B, N) bool mask always processes the marked tokens
+(e.g. the region a masked loss trains on) and applies `selection_ratio` to the rest only. Sample b then
+needs F_b + floor((N - F_b)(1 - ratio)) tokens; a batch shares one subset size, the largest of these, so
+samples with smaller masks process a few extra random tokens. The processed fraction rises from (1 - r) to
+about 1 - r (1 - F/N): a mask covering a quarter of the image turns r = 0.5 into an effective 0.375.
+`rows` keeps every row holding a forced token, so a mask that spans many rows costs more (see RowRouting).
 """
 
 from __future__ import annotations
@@ -41,8 +48,11 @@ class RoutingPolicy(ABC):
             )
 
     @abstractmethod
-    def select(self, x: torch.Tensor, grid: Grid, selection_ratio: float, generator: torch.Generator | None) -> Selection:
-        """x: (B, N, D) tokens in raster order on `grid`."""
+    def select(
+        self, x: torch.Tensor, grid: Grid, selection_ratio: float, generator: torch.Generator | None,
+        force_keep: torch.Tensor | None = None,
+    ) -> Selection:
+        """x: (B, N, D) tokens in raster order on `grid`; force_keep: (B, N) bool, tokens always processed."""
 
 
 def kept(n: int, selection_ratio: float) -> int:
@@ -51,8 +61,30 @@ def kept(n: int, selection_ratio: float) -> int:
 
 
 def uniform_scores(b: int, n: int, generator: torch.Generator | None, device) -> torch.Tensor:
-    """(B, N) uniform scores drawn on the CPU, so a seed picks the same tokens on any device."""
+    """(B, N) uniform scores.
+
+    With a CPU generator (or none) they are drawn on the CPU and copied, so a seed picks the same tokens on
+    any device. A generator that lives on an accelerator (torch.Generator(device="cuda")) draws there, which
+    saves the host-to-device copy every route; its stream differs from the CPU one, so a seed's choice then
+    depends on the generator's device (as with any torch draw).
+    """
+    if generator is not None and generator.device.type != "cpu":
+        return torch.rand(b, n, generator=generator, device=generator.device).to(device)
     return torch.rand(b, n, generator=generator).to(device)
+
+
+def check_force_keep(force_keep: torch.Tensor, n: int) -> None:
+    if force_keep.dtype != torch.bool or force_keep.ndim != 2 or force_keep.shape[1] != n:
+        raise ConfigError(
+            f"force_keep must be a (batch, {n}) bool mask over the route's tokens, got {tuple(force_keep.shape)} "
+            f"{force_keep.dtype}; pool a pixel mask to the token grid first."
+        )
+
+
+def forced_size(force_keep: torch.Tensor, n: int, selection_ratio: float) -> int:
+    """Subset size shared by a batch under a (B, n) force-keep mask: max_b F_b + floor((n - F_b)(1 - ratio))."""
+    check_force_keep(force_keep, n)
+    return max(f + kept(n - f, selection_ratio) for f in force_keep.sum(1).tolist())
 
 
 def random_subset(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -68,7 +100,7 @@ class NoRouting(RoutingPolicy):
     def num_processed(self, grid: Grid, selection_ratio: float) -> int:
         return grid[0] * grid[1]
 
-    def select(self, x, grid, selection_ratio, generator):
+    def select(self, x, grid, selection_ratio, generator, force_keep=None):
         b, n, _ = x.shape
         return Selection(torch.arange(n, device=x.device).expand(b, n), grid)
 
@@ -78,10 +110,14 @@ class RandomRouting(RoutingPolicy):
 
     name, yields_grid = "random", False
 
-    def select(self, x, grid, selection_ratio, generator):
+    def select(self, x, grid, selection_ratio, generator, force_keep=None):
         b, n, _ = x.shape
         scores = uniform_scores(b, n, generator, x.device)
-        return Selection(random_subset(scores, self.num_processed(grid, selection_ratio)), None)
+        if force_keep is None:
+            return Selection(random_subset(scores, self.num_processed(grid, selection_ratio)), None)
+        # Scores above 1 make the forced tokens win; the other slots go to uniformly random tokens.
+        k = forced_size(force_keep, n, selection_ratio)
+        return Selection(random_subset(scores.masked_fill(force_keep, 2.0), k), None)
 
 
 class RowRouting(RoutingPolicy):
@@ -89,6 +125,9 @@ class RowRouting(RoutingPolicy):
 
     Kept rows stay complete and in order, so the subset is an (h_keep, w) grid in which a row scan or a
     token shift still sees true left/right neighbours; this is what scan-order models (RWKV, Mamba) need.
+
+    With a force-keep mask every row holding a forced token is kept and the ratio applies to the other rows,
+    so a mask that touches many rows (a tall object) keeps most of the image: prefer `random` for masked loss.
     """
 
     name, yields_grid = "rows", True
@@ -99,11 +138,18 @@ class RowRouting(RoutingPolicy):
     def num_processed(self, grid: Grid, selection_ratio: float) -> int:
         return self.rows_processed(grid, selection_ratio) * grid[1]
 
-    def select(self, x, grid, selection_ratio, generator):
+    def select(self, x, grid, selection_ratio, generator, force_keep=None):
         h, w = grid
         b = x.shape[0]
-        h_keep = self.rows_processed(grid, selection_ratio)
-        rows = random_subset(uniform_scores(b, h, generator, x.device), h_keep)  # (B, h_keep)
+        scores = uniform_scores(b, h, generator, x.device)  # (B, h)
+        if force_keep is None:
+            h_keep = self.rows_processed(grid, selection_ratio)
+        else:
+            check_force_keep(force_keep, h * w)
+            forced_rows = force_keep.reshape(b, h, w).any(-1)  # (B, h * w) -> (B, h)
+            h_keep = forced_size(forced_rows, h, selection_ratio)
+            scores = scores.masked_fill(forced_rows, 2.0)
+        rows = random_subset(scores, h_keep)  # (B, h_keep)
         cols = torch.arange(w, device=x.device)
         indices = (rows[:, :, None] * w + cols).reshape(b, h_keep * w)  # (B, h_keep, w) -> (B, h_keep * w)
         return Selection(indices, (h_keep, w))
@@ -123,8 +169,10 @@ class L1NormRouting(RoutingPolicy):
             raise ConfigError(f"routing.random_mix={random_mix} must be in [0, 1].")
         self.random_mix = random_mix
 
-    def select(self, x, grid, selection_ratio, generator):
+    def select(self, x, grid, selection_ratio, generator, force_keep=None):
         b, n, _ = x.shape
+        if force_keep is not None:
+            return self._select_forced(x, selection_ratio, generator, force_keep)
         k = self.num_processed(grid, selection_ratio)
         k_top = round((1.0 - self.random_mix) * k)
         scores = uniform_scores(b, n, generator, x.device)  # in [0, 1)
@@ -132,6 +180,21 @@ class L1NormRouting(RoutingPolicy):
             top = x.detach().abs().sum(-1).topk(k_top, dim=1).indices  # (B, k_top)
             # Scores above 1 guarantee the high-norm tokens win; the rest of the k slots go to random ones.
             scores = scores.scatter(1, top, 2.0)
+        return Selection(random_subset(scores, k), None)
+
+    def _select_forced(self, x, selection_ratio, generator, force_keep):
+        # The norm/random split applies to the unforced tokens: sample b keeps its F_b forced tokens, its
+        # round((1 - mix) k_b) highest-norm others and random ones, with k_b = floor((N - F_b)(1 - ratio)).
+        b, n, _ = x.shape
+        k = forced_size(force_keep, n, selection_ratio)
+        n_free = n - force_keep.sum(1)  # (B,)
+        k_free = torch.floor(n_free.double() * (1.0 - selection_ratio) + 1e-9)
+        k_top = torch.round((1.0 - self.random_mix) * k_free).long()  # (B,)
+        norms = x.detach().abs().sum(-1).float().masked_fill(force_keep, float("-inf"))  # (B, N)
+        order = norms.argsort(dim=1, descending=True)
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(n, device=x.device).expand(b, n))
+        top = (rank < k_top[:, None]) & ~force_keep
+        scores = uniform_scores(b, n, generator, x.device).masked_fill(top, 2.0).masked_fill(force_keep, 3.0)
         return Selection(random_subset(scores, k), None)
 
 

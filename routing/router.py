@@ -63,8 +63,14 @@ class Router:
         finally:
             self.routes, self.force, self._unforced_routes = saved
 
-    def run(self, blocks: nn.ModuleList, x: torch.Tensor, c: torch.Tensor, grid: Grid, training: bool) -> torch.Tensor:
-        """x: (B, N, D) tokens in raster order on `grid`; c: (B, D). Returns (B, N, D)."""
+    def run(
+        self, blocks: nn.ModuleList, x: torch.Tensor, c: torch.Tensor, grid: Grid, training: bool,
+        force_keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x: (B, N, D) tokens in raster order on `grid`; c: (B, D). Returns (B, N, D).
+
+        force_keep: (B, N) bool, tokens every route processes (e.g. a masked-loss region); see routing.policy.
+        """
         self.last_masks = []
         routes = {r.start_layer_idx: r for r in self.routes} if (training or self.force) else {}
         i, depth = 0, len(blocks)
@@ -74,7 +80,7 @@ class Router:
                 x = blocks[i](x, c, grid)
                 i += 1
                 continue
-            x = self._run_route(blocks, route, x, c, grid)
+            x = self._run_route(blocks, route, x, c, grid, force_keep)
             i = route.end_layer_idx + 1
             if self.fp32_after_route and i < depth:
                 # TREAD's note: under bf16 the first block after a route can be unstable; run it in fp32.
@@ -83,8 +89,10 @@ class Router:
                 i += 1
         return x
 
-    def _run_route(self, blocks, route: Route, x, c, grid):
-        sel = self.policy.select(x, grid, route.selection_ratio, self.generator)
+    def _run_route(self, blocks, route: Route, x, c, grid, force_keep=None):
+        # Policies written before force-keep masks existed keep working when no mask is given.
+        extra = {} if force_keep is None else {"force_keep": force_keep}
+        sel = self.policy.select(x, grid, route.selection_ratio, self.generator, **extra)
         b, n, d = x.shape
         index = sel.indices[:, :, None].expand(-1, -1, d)  # (B, K) -> (B, K, D)
         x_sub = x.gather(1, index)  # (B, K, D)

@@ -16,6 +16,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+import train.schema  # noqa: F401  (registers the typed schema, `base_config`, with Hydra's ConfigStore)
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 

@@ -11,22 +11,22 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
-from train.cli import friendly_errors
+from train.cli import ArgumentParser, bounded, existing, friendly_errors
 from train.data.latent_cache import DTYPES, CacheSettings, cache_latents
 from train.data.latents import DEFAULT_VAE
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m train.cache_latents", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--images", required=True, help="image folder: one subfolder per class, or flat with --labels-file")
+    parser = ArgumentParser(prog="python -m train.cache_latents", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", required=True, type=existing("image folder"), help="image folder: one subfolder per class, or flat with --labels-file")
     parser.add_argument("--out", required=True, help="output folder for shards, meta.json and stats.json")
-    parser.add_argument("--labels-file", default=None, help="CSV of `filename,label` rows for a flat folder")
+    parser.add_argument("--labels-file", default=None, type=existing("labels file"), help="CSV of `filename,label` rows for a flat folder")
     parser.add_argument("--vae", default=DEFAULT_VAE, help="diffusers AutoencoderKL: local folder (offline) or hub id")
-    parser.add_argument("--size", type=int, default=256, help="image size after centre crop and resize")
+    parser.add_argument("--size", type=bounded(int, 8, 4096, example="--size 256"), default=256, help="image size after centre crop and resize")
     parser.add_argument("--flip", action="store_true", help="also store a horizontally flipped copy of every image")
-    parser.add_argument("--shard-size", type=int, default=4096, help="source images per shard")
-    parser.add_argument("--batch-size", type=int, default=64, help="images per VAE forward, per process")
-    parser.add_argument("--num-workers", type=int, default=4, help="image decoding workers per process")
+    parser.add_argument("--shard-size", type=bounded(int, 1, example="--shard-size 4096"), default=4096, help="source images per shard")
+    parser.add_argument("--batch-size", type=bounded(int, 1, example="--batch-size 64"), default=64, help="images per VAE forward, per process")
+    parser.add_argument("--num-workers", type=bounded(int, 0, 256, example="--num-workers 4"), default=4, help="image decoding workers per process")
     parser.add_argument("--storage-dtype", choices=("float16", "float32"), default="float16")
     parser.add_argument("--encode-dtype", choices=tuple(DTYPES), default="float32")
     return parser.parse_args(argv)

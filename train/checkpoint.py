@@ -7,6 +7,7 @@ atomically, so a run killed mid-write never leaves a half checkpoint behind the 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -25,34 +26,122 @@ from train.data import build_dataset
 MODEL_KEYS = ("backbone", "data", "objective")
 # What a config written before a section existed meant by it.
 _ABSENT = {"objective": {"name": "edm"}}
+TMP_PREFIX = ".tmp_"
+REPLACED_PREFIX = ".replaced_"
+
+
+class NonFiniteWeights(ValueError):
+    """A state dict holds NaN or inf; it is never written."""
+
+
+def non_finite(state: dict) -> list[str]:
+    """Names of the tensors of `state` (nested dicts and lists too) that hold NaN or inf."""
+    bad = []
+
+    def visit(prefix: str, value) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                bad.append(prefix)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                visit(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                visit(f"{prefix}[{i}]", v)
+
+    visit("", state)
+    return bad
 
 
 def save_checkpoint(ckpt_root: Path, step: int, model, ema_model, optimizer, cfg: DictConfig, keep: int = 2) -> Path:
+    """Write checkpoint `step` so that the folder always holds a loadable one that `latest` names.
+
+    New files go to a temporary folder first. Re-saving an existing step moves the old folder aside to
+    `.replaced_step_N` (one rename) before the new one is renamed in; a kill between the two renames is
+    undone by `recover_checkpoints` at the next start (and `latest_checkpoint` finds the moved-aside copy
+    meanwhile). Rotation keeps the `keep` newest and never deletes the one `latest` names.
+    """
+    model_state, ema_state = _contiguous(model.state_dict()), _contiguous(ema_model.state_dict())
+    bad = non_finite(model_state) + non_finite(ema_state)
+    if bad:
+        raise NonFiniteWeights(f"{len(bad)} tensors hold NaN or inf (e.g. {bad[0]!r})")
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step_{step:07d}"
-    tmp = ckpt_root / f".tmp_step_{step:07d}_{os.getpid()}"
+    tmp = ckpt_root / f"{TMP_PREFIX}{final.name}_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file(_contiguous(model.state_dict()), tmp / "model.safetensors")
-    save_file(_contiguous(ema_model.state_dict()), tmp / "ema.safetensors")
-    torch.save({"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}, tmp / "optimizer.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step}))
-    (tmp / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    try:
+        tmp.mkdir()
+        save_file(model_state, tmp / "model.safetensors")
+        save_file(ema_state, tmp / "ema.safetensors")
+        torch.save({"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}, tmp / "optimizer.pt")
+        digests = {name: _sha256(tmp / name) for name in ("model.safetensors", "ema.safetensors", "optimizer.pt")}
+        (tmp / "state.json").write_text(json.dumps({"step": step, "sha256": digests}))
+        (tmp / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk leaves no half-written folder behind
+        raise
     if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _write_atomic(ckpt_root / "latest", final.name)
-    for old in sorted(ckpt_root.glob("step_*"))[:-keep]:
-        shutil.rmtree(old)
+        aside = ckpt_root / f"{REPLACED_PREFIX}{final.name}"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+        os.replace(tmp, final)
+        _write_atomic(ckpt_root / "latest", final.name)
+        shutil.rmtree(aside)
+    else:
+        os.replace(tmp, final)
+        _write_atomic(ckpt_root / "latest", final.name)
+    rotate_checkpoints(ckpt_root, keep, protect=final)
     return final
 
 
+def rotate_checkpoints(ckpt_root: Path, keep: int, protect: Path) -> None:
+    """Delete all but the `keep` newest step_* folders; `protect` (the one `latest` names) always stays."""
+    others = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir() and p.name != protect.name)
+    for old in others[: max(0, len(others) - (max(keep, 1) - 1))]:
+        shutil.rmtree(old)
+
+
+def recover_checkpoints(ckpt_root: Path) -> list[str]:
+    """Undo what a killed save left behind; returns what it did (for the log).
+
+    A `.replaced_step_N` whose step_N is missing is moved back (the kill came between the two renames);
+    temporary folders and pointer files are removed; a `latest` naming a missing folder is pointed at the
+    newest complete checkpoint.
+    """
+    done = []
+    if not ckpt_root.is_dir():
+        return done
+    for aside in sorted(ckpt_root.glob(f"{REPLACED_PREFIX}step_*")):
+        final = ckpt_root / aside.name[len(REPLACED_PREFIX):]
+        if final.is_dir():
+            shutil.rmtree(aside)
+            done.append(f"removed {aside.name}")
+        else:
+            os.replace(aside, final)
+            done.append(f"restored {final.name} from {aside.name}")
+    for tmp in [*ckpt_root.glob(f"{TMP_PREFIX}*"), *ckpt_root.glob(".latest.*")]:
+        shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+        done.append(f"removed {tmp.name}")
+    pointer = ckpt_root / "latest"
+    target = pointer.read_text().strip() if pointer.is_file() else None
+    newest = sorted(p.name for p in ckpt_root.glob("step_*") if p.is_dir())
+    if newest and (target is None or not (ckpt_root / target).is_dir()):
+        _write_atomic(pointer, newest[-1])
+        done.append(f"pointed latest at {newest[-1]}")
+    return done
+
+
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    """The checkpoint `latest` names; if a killed save left it dangling, the moved-aside copy or the newest step_*."""
     pointer = ckpt_root / "latest"
     if not pointer.exists():
         return None
-    path = ckpt_root / pointer.read_text().strip()
-    return path if path.is_dir() else None
+    name = pointer.read_text().strip()
+    for path in (ckpt_root / name, ckpt_root / f"{REPLACED_PREFIX}{name}"):
+        if path.is_dir():
+            return path
+    newest = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
+    return newest[-1] if newest else None
 
 
 def load_checkpoint(path: Path, cfg: DictConfig | None = None) -> dict:
@@ -78,12 +167,29 @@ def load_checkpoint(path: Path, cfg: DictConfig | None = None) -> dict:
     except Exception as err:  # safetensors and pickle raise many types for a damaged file
         raise ConfigError(f"checkpoint '{path}' is unreadable ({type(err).__name__}: {err}); resume from an older step_* folder.") from err
     state = json.loads((path / "state.json").read_text())
+    for name, digest in state.get("sha256", {}).items():
+        if _sha256(path / name) != digest:
+            raise ConfigError(f"checkpoint '{path}' is corrupted ({name} does not match the checksum written with it); "
+                              "resume from an older step_* folder.")
+    for name, tensors in (("model.safetensors", model), ("ema.safetensors", ema), ("optimizer.pt", extra.get("optimizer", {}))):
+        bad = non_finite(tensors)
+        if bad:
+            raise ConfigError(f"checkpoint '{path}' holds NaN or inf in {name} ({len(bad)} tensors, e.g. {bad[0]!r}); "
+                              "resume from an older step_* folder.")
     return {"model": model, "ema": ema, "config": saved_cfg, "step": state["step"], **extra}
 
 
 def _contiguous(state: dict) -> dict:
     # safetensors refuses shared or strided storage; clone makes each tensor its own.
     return {k: v.detach().contiguous().clone() for k, v in state.items()}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _write_atomic(path: Path, text: str) -> None:

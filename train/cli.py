@@ -1,11 +1,22 @@
-"""Turns ConfigError into one clear line on stderr and exit code 2, instead of a traceback."""
+"""Entry-point helpers: ConfigError -> one line and exit 2, RunStopped -> one line and exit 3, no traceback;
+Hydra composition errors (a wrong type, an unknown key or option) as one sentence too; argparse flags that
+refuse bad values in one sentence."""
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
+from pathlib import Path
 
 from routing import ConfigError
+from train.schema import check_config, config_error
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+class RunStopped(RuntimeError):
+    """A run that cannot go on (divergence, a full disk); the message names the last good checkpoint."""
 
 
 def friendly_errors(fn):
@@ -16,5 +27,92 @@ def friendly_errors(fn):
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)
+        except RunStopped as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(3)
 
     return wrapper
+
+
+def precompose(config_name: str, overrides: list[str], check: bool = True) -> None:
+    """Compose `config_name` with the command line's overrides before Hydra does, so that a wrong type, an
+    unknown key or option, or a value out of range is one sentence with exit code 2 (Hydra would print a
+    multi-line report with exit code 1), and nothing, not even the run folder, is created."""
+    if any(arg.startswith("-") for arg in overrides):
+        return  # Hydra's own flags (--help, --multirun, --cfg, ...): Hydra handles the command line
+    from hydra import compose, initialize_config_dir
+
+    try:
+        with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+            cfg = compose(config_name=config_name, overrides=overrides)
+    except ConfigError as err:
+        _refuse(err)
+    except Exception as err:  # Hydra and OmegaConf raise many types; each becomes one sentence
+        _refuse(config_error(err))
+    if check:
+        try:
+            check_config(cfg)
+        except ConfigError as err:
+            _refuse(err)
+
+
+def _refuse(err: BaseException) -> None:
+    print(f"error: {err}", file=sys.stderr)
+    sys.exit(2)
+
+
+# Flags of the argparse commands.
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one sentence (no usage block) with exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        _refuse(ConfigError(f"{self.prog}: {message.rstrip('.')}; see {self.prog} --help."))
+
+
+def bounded(kind: type, low: float | None = None, high: float | None = None, *, example: str = ""):
+    """An argparse type: `kind` (int or float) in [low, high], refusing other values in one sentence."""
+    name = {int: "an integer", float: "a number"}[kind]
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {name}{f' (e.g. {example})' if example else ''}") from None
+        if value != value or (low is not None and value < low) or (high is not None and value > high):
+            rng = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"{text} is out of range; it must be {rng}{f' (e.g. {example})' if example else ''}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def existing(what: str = "path"):
+    """An argparse type: a path that exists."""
+
+    def parse(text: str) -> str:
+        if not Path(text).expanduser().exists():
+            raise argparse.ArgumentTypeError(f"{what} {text!r} does not exist")
+        return text
+
+    parse.__name__ = what
+    return parse
+
+
+def writable_file(text: str) -> Path:
+    """An argparse type: an output file whose folder exists or can be created, and that is not a folder."""
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; pass a file path")
+    parent = next((p for p in [path.parent, *path.parent.parents] if p.exists()), None)
+    if parent is None or not parent.is_dir() or not _can_write(parent):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r} (its folder is not writable)")
+    return path
+
+
+def _can_write(folder: Path) -> bool:
+    import os
+
+    return os.access(folder, os.W_OK | os.X_OK)

@@ -25,28 +25,28 @@ import numpy as np
 from routing import ConfigError
 from train.build import objective_name
 from train.checkpoint import load_run
-from train.cli import friendly_errors
+from train.cli import ArgumentParser, bounded, existing, friendly_errors, writable_file
 from train.metrics.fid import FIDConfig, folder_features, reference_statistics, sample_features
 from train.metrics.frechet import feature_statistics, frechet_distance
 from train.metrics.inception import load_inception
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m train.fid", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m train.fid", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", help="run folder (its latest checkpoint) or checkpoint folder to sample from")
-    source.add_argument("--images", help="folder of images to score instead of a checkpoint")
-    parser.add_argument("--ref", help="reference: .npz with mu and sigma (e.g. ADM's VIRTUAL_imagenet256_labeled.npz) or an image folder")
-    parser.add_argument("--save-stats", help="with --images: write the folder's mu and sigma to this .npz and stop")
-    parser.add_argument("--size", type=int, help="centre-crop and resize folder images to this size (real ImageNet folders)")
-    parser.add_argument("--inception", help="Inception weights file (default: torch hub's checkpoints folder)")
+    source.add_argument("--checkpoint", type=existing("checkpoint"), help="run folder (its latest checkpoint) or checkpoint folder to sample from")
+    source.add_argument("--images", type=existing("image folder"), help="folder of images to score instead of a checkpoint")
+    parser.add_argument("--ref", type=existing("reference"), help="reference: .npz with mu and sigma (e.g. ADM's VIRTUAL_imagenet256_labeled.npz) or an image folder")
+    parser.add_argument("--save-stats", type=writable_file, help="with --images: write the folder's mu and sigma to this .npz and stop")
+    parser.add_argument("--size", type=bounded(int, 8, 4096, example="--size 256"), help="centre-crop and resize folder images to this size (real ImageNet folders)")
+    parser.add_argument("--inception", type=existing("Inception weights file"), help="Inception weights file (default: torch hub's checkpoints folder)")
     defaults = FIDConfig(ref="")
-    parser.add_argument("--num-samples", type=int, default=50_000)
-    parser.add_argument("--steps", type=int, default=defaults.steps, help="Heun steps")
-    parser.add_argument("--guidance", type=float, default=defaults.guidance, help="classifier-free guidance w (1 = off)")
+    parser.add_argument("--num-samples", type=bounded(int, 2, example="--num-samples 50000"), default=50_000)
+    parser.add_argument("--steps", type=bounded(int, 1, example="--steps 40"), default=defaults.steps, help="Heun steps")
+    parser.add_argument("--guidance", type=bounded(float, 0, 100, example="--guidance 1.5"), default=defaults.guidance, help="classifier-free guidance w (1 = off)")
     parser.add_argument("--sampler", default=defaults.sampler, choices=("heun", "euler"))
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--batch-size", type=bounded(int, 1, example="--batch-size 64"), default=defaults.batch_size)
+    parser.add_argument("--seed", type=bounded(int, 0, example="--seed 0"), default=defaults.seed)
     parser.add_argument("--objective", choices=("edm", "flow"), help="refuse the checkpoint unless it was trained with this objective")
     parser.add_argument("--route-ratio", type=float, default=defaults.route_ratio, help="routed inference ratio (0 = off)")
     parser.add_argument("--rg-scale", type=float, default=defaults.rg_scale, help="routing guidance w (1 = off)")
@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rg-uncond", action="store_true", help="both routing-guidance branches unconditional")
     parser.add_argument("--moe-threshold", type=float, help="DiffMoE: one capacity threshold for every expert")
     parser.add_argument("--moe-target", type=float, help="DiffMoE: average activated experts per token")
-    parser.add_argument("--out", help="JSON file for the result (default: <checkpoint>/fid.json with --checkpoint)")
+    parser.add_argument("--out", type=writable_file, help="JSON file for the result (default: <checkpoint>/fid.json with --checkpoint)")
     args = parser.parse_args(argv)
     if args.save_stats is None and args.ref is None:
         parser.error("--ref is required unless --images and --save-stats are given")

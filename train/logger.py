@@ -13,8 +13,9 @@ class MetricsLogger:
         self.writer = None
         if not enabled:
             return
-        if resume_step and self.path.exists():
-            # A killed run may have logged past its last checkpoint; keep only what the resume repeats from.
+        if self.path.exists():
+            # A killed run may have logged past its last checkpoint; keep only what the resume repeats from
+            # (nothing for a fresh start: resume=auto that found no checkpoint).
             lines = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
             self.path.write_text("".join(ln + "\n" for ln in lines))
         from torch.utils.tensorboard import SummaryWriter

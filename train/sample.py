@@ -21,19 +21,19 @@ from routing import ConfigError
 from routing.router import count_flops
 from train.build import objective_name
 from train.checkpoint import load_run
-from train.cli import friendly_errors
+from train.cli import ArgumentParser, bounded, friendly_errors, writable_file
 from train.grid import grid_labels, save_grid
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m train.sample", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m train.sample", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="run folder (uses its latest checkpoint) or a checkpoint folder")
-    parser.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale w (1 = off)")
-    parser.add_argument("--steps", type=int, default=40, help="sampler steps (network evaluations: 1 per Euler step, 2 per Heun step)")
+    parser.add_argument("--guidance", type=bounded(float, 0, 100, example="--guidance 2"), default=1.0, help="classifier-free guidance scale w (1 = off)")
+    parser.add_argument("--steps", type=bounded(int, 1, example="--steps 40"), default=40, help="sampler steps (network evaluations: 1 per Euler step, 2 per Heun step)")
     parser.add_argument("--sampler", default="heun", choices=["heun", "euler"])
     parser.add_argument("--objective", choices=["edm", "flow"], help="refuse the checkpoint unless it was trained with this objective")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--per-class", type=int, default=8, help="samples per class (one grid row per class)")
+    parser.add_argument("--seed", type=bounded(int, 0, example="--seed 0"), default=0)
+    parser.add_argument("--per-class", type=bounded(int, 1, 1024, example="--per-class 8"), default=8, help="samples per class (one grid row per class)")
     parser.add_argument("--classes", type=int, nargs="*", help="class ids to sample (default: all)")
     parser.add_argument("--route-ratio", type=float, default=0.0,
                         help="routed inference: force routing at this selection ratio over the trained routes (0 = off)")
@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--moe-threshold", type=float, help="DiffMoE: one capacity-predictor threshold for every expert")
     parser.add_argument("--moe-target", type=float, help="DiffMoE: average activated experts per token")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, help="PNG path (default: <checkpoint>/samples_w<guidance>_seed<seed>.png)")
+    parser.add_argument("--out", type=writable_file, help="PNG path (default: <checkpoint>/samples_w<guidance>_seed<seed>.png)")
     args = parser.parse_args(argv)
     for flag in ("steps", "per_class"):
         if getattr(args, flag) < 1:

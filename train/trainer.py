@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -23,15 +24,23 @@ from backbones.diffmoe import auxiliary_losses
 from edm import generate, reduce_loss
 from routing import ConfigError
 from train.build import build_net, compile_blocks, compiled_graphs, objective_for
-from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from train.checkpoint import NonFiniteWeights, latest_checkpoint, load_checkpoint, recover_checkpoints, save_checkpoint
+from train.cli import RunStopped
 from train.data import build_dataset
+from train.data.prefetch import Prefetcher
 from train.grid import grid_labels, save_grid
 from train.logger import MetricsLogger
+from train.rundir import RunDirClaim, refuse_or_move_aside
+from train.schema import check_config as schema_check
+from train.schema import resume_changes
 
 
-def seeded(*keys: int) -> torch.Generator:
-    """A CPU generator determined by integer keys (seed, step, ...)."""
-    return torch.Generator().manual_seed(hash(tuple(keys)) % (2**63))
+def seeded(*keys: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on `device` determined by integer keys (seed, step, ...).
+
+    CPU and CUDA generators give different streams for one seed, so a run repeats on the same device type.
+    """
+    return torch.Generator(device=device).manual_seed(hash(tuple(keys)) % (2**63))
 
 
 def global_indices(seed: int, step: int, batch: int, n: int) -> torch.Tensor:
@@ -46,7 +55,10 @@ def global_indices(seed: int, step: int, batch: int, n: int) -> torch.Tensor:
     return out
 
 
-def check_config(cfg: DictConfig, num_processes: int) -> None:
+def check_config(cfg: DictConfig, num_processes: int = 1) -> None:
+    """Every cheap check before any work starts: the schema (types, ranges, backbone kwargs, FID paths,
+    train/schema/), then what depends on the launch (the batch over processes) and the data's decoder."""
+    schema_check(cfg)
     t = cfg.trainer
     per_step = num_processes * t.grad_accum
     if t.batch_size % per_step:
@@ -54,14 +66,10 @@ def check_config(cfg: DictConfig, num_processes: int) -> None:
             f"trainer.batch_size={t.batch_size} is not divisible by {num_processes} processes x trainer.grad_accum={t.grad_accum}; "
             f"choose a multiple of {per_step}."
         )
-    if cfg.edm.loss not in ("plain", "route_aware"):
-        raise ConfigError(f"edm.loss='{cfg.edm.loss}' is unknown; choose plain or route_aware.")
-    if not 0 <= cfg.edm.label_dropout < 1:
-        raise ConfigError(f"edm.label_dropout={cfg.edm.label_dropout} must be in [0, 1).")
-    if cfg.fid.every:
-        from train.metrics.fid import fid_config
+    if t.sample_every and cfg.data.name == "latents":
+        from train.data.latents import check_vae
 
-        fid_config(cfg.fid)  # a missing reference fails now, not hours into the run
+        check_vae(cfg.data)  # a missing VAE folder fails now, not at the first preview grid
 
 
 class Trainer:
@@ -78,6 +86,7 @@ class Trainer:
         self.acc = accelerator
         check_config(cfg, self.acc.num_processes)
         self.run_dir = Path(cfg.run_dir)
+        self._claim = self._claim_run_dir()
         self.dataset = build_dataset(cfg.data, cfg.edm.sigma_data)
         if len(self.dataset) == 0:
             raise ConfigError(f"data.name='{cfg.data.name}' has no samples; check data.path.")
@@ -99,11 +108,55 @@ class Trainer:
             compile_blocks(self.backbone)
         self.net, self.optimizer = self.acc.prepare(net, optimizer)
         self.step = 0
+        self.prefetcher = Prefetcher(self._load_batch, pin=True) if self.acc.device.type == "cuda" else None
+        if self.prefetcher is not None:
+            weakref.finalize(self, self.prefetcher.close)
         self.last_aux: dict[str, float] = {}  # the last step's auxiliary losses (MoE), logged beside the loss
+        self.skipped_steps = 0  # divergence guard: steps whose loss or gradient was non-finite (no update)
+        self.bad_streak = 0  # ... of them in a row, up to now
         self._maybe_resume()
         self.logger = MetricsLogger(self.run_dir, self.acc.is_main_process, resume_step=self.step)
 
     # Set-up.
+
+    def _claim_run_dir(self) -> RunDirClaim | None:
+        """Lock the run folder (main process), undo what a killed save left, and refuse a fresh run into a
+        folder holding a run unless overwrite=true (docs/training.md, "Run folders")."""
+        cfg, main = self.cfg, self.acc.is_main_process
+        claim = RunDirClaim(self.run_dir) if main else None
+        if claim is not None:
+            weakref.finalize(self, claim.release)
+        try:
+            if main:
+                for line in recover_checkpoints(self.run_dir / "checkpoints"):
+                    print(f"run_dir: {line} (left by an interrupted save)")
+            self.acc.wait_for_everyone()
+            if not cfg.resume:
+                aside = refuse_or_move_aside(self.run_dir, bool(cfg.get("overwrite")), move=main)
+                if aside is not None:
+                    self.acc.print(f"overwrite=true: moved the previous run in {self.run_dir} to {aside}")
+            self.acc.wait_for_everyone()
+        except BaseException:
+            if claim is not None:
+                claim.release()
+            raise
+        return claim
+
+    def _release_run_dir(self) -> None:
+        if self._claim is not None:
+            self._claim.release()
+
+    def _apply_resume_changes(self, path: Path, saved_cfg: DictConfig) -> None:
+        """Settings that differ from the checkpoint's: refuse those that change what the weights mean, apply the rest."""
+        refused, applied = resume_changes(saved_cfg, self.cfg)
+        if refused:
+            raise ConfigError(f"checkpoint '{path}' was trained with other values of keys that cannot change on resume "
+                              f"({'; '.join(refused)}); resume with the saved values or start a new run_dir.")
+        t = self.cfg.trainer
+        for group in self.optimizer.param_groups:  # the optimizer state just loaded carries the old ones
+            group.update(lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+        if applied:
+            self.acc.print(f"resume: applying changed settings: {'; '.join(applied)}")
 
     def _maybe_resume(self) -> None:
         resume = self.cfg.resume
@@ -122,6 +175,7 @@ class Trainer:
         except RuntimeError as err:
             raise ConfigError(f"checkpoint '{path}' does not fit this model ({str(err).splitlines()[0]}); resume with the config it was trained with.") from err
         self.optimizer.load_state_dict(state["optimizer"])
+        self._apply_resume_changes(path, state["config"])
         torch.set_rng_state(state["torch_rng"])
         self.step = state["step"]
         self.acc.print(f"resumed from {path} at step {self.step}")
@@ -143,37 +197,82 @@ class Trainer:
         G, b = cfg.trainer.batch_size, self.micro_batch
         # Draw the whole global batch's randomness, then take this process's slices.
         g = seeded(cfg.seed, self.step, 0)
-        indices = global_indices(cfg.seed, self.step, G, len(self.dataset))
         t_all = self.objective.sample_time(G, g)  # EDM: sigma; flow: t
         noise_all = torch.randn(G, *self.dataset.shape, generator=g)
         drop_all = torch.rand(G, generator=g) < cfg.edm.label_dropout
         losses, aux_sums = [], {}
+        bad, skip = torch.zeros((), dtype=torch.bool, device=acc.device), False  # divergence guard
         for micro in range(cfg.trainer.grad_accum):
             start = (micro * acc.num_processes + acc.process_index) * b
             part = slice(start, start + b)
-            y, labels = self.dataset.get(indices[part], seeded(cfg.seed, self.step, 2, start))
+            y, labels = self._batch(micro, start)
             labels = torch.where(drop_all[part], self.dataset.num_classes, labels)  # null class for CFG
-            self.backbone.router.generator = seeded(cfg.seed, self.step, 3, start)
+            # Routing draws on the training device: a CPU draw copied to the GPU at every route would block the
+            # host until the GPU queue drains (a pageable copy), breaking launch overlap.
+            self.backbone.router.generator = seeded(cfg.seed, self.step, 3, start, device=acc.device)
             with acc.accumulate(self.net):
                 with acc.autocast():
-                    per_elem = self.objective.loss(self.net, y.to(acc.device), labels.to(acc.device), t_all[part].to(acc.device),
-                                                   noise_all[part].to(acc.device))
+                    y, labels = y.to(acc.device, non_blocking=True), labels.to(acc.device, non_blocking=True)
+                    per_elem = self.objective.loss(self.net, y, labels, t_all[part].to(acc.device), noise_all[part].to(acc.device))
                     masks = self.backbone.route_masks() if cfg.edm.loss == "route_aware" else None
                     diffusion = reduce_loss(per_elem, masks)
                     # Auxiliary losses of MoE blocks (load balance, capacity predictor); none for other families.
                     aux = auxiliary_losses(self.net)
                     loss = diffusion + sum(aux.values()) if aux else diffusion
                 acc.backward(loss)
-                if acc.sync_gradients and cfg.trainer.grad_clip:
+                bad = bad | ~torch.isfinite(loss.detach())
+                if acc.sync_gradients:
+                    skip = self._non_finite(bad)  # all processes agree, so DDP stays in lockstep
+                if acc.sync_gradients and cfg.trainer.grad_clip and not skip:
                     acc.clip_grad_norm_(self.net.parameters(), cfg.trainer.grad_clip)
-                self.optimizer.step()
+                if not skip:
+                    self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
             losses.append(diffusion.detach())
             aux_sums = {k: aux_sums.get(k, 0) + v.detach() / cfg.trainer.grad_accum for k, v in aux.items()}
         self.step += 1
         self.last_aux = {k: acc.reduce(v, reduction="mean").item() for k, v in aux_sums.items()}
-        self.ema.update(self.acc.unwrap_model(self.net), step=self.step)
+        self.skipped_steps += skip
+        self.bad_streak = self.bad_streak + 1 if skip else 0
+        if not skip:  # a skipped step leaves the weights as they were; the EMA skips it too
+            self.ema.update(self.acc.unwrap_model(self.net), step=self.step)
         return acc.reduce(torch.stack(losses).mean(), reduction="mean").item()
+
+    def _load_batch(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clean images and labels of this process's micro-batch at `start` of step `step`: a pure function of the key."""
+        step, start = key
+        indices = global_indices(self.cfg.seed, step, self.cfg.trainer.batch_size, len(self.dataset))
+        return self.dataset.get(indices[start : start + self.micro_batch], seeded(self.cfg.seed, step, 2, start))
+
+    def _batch(self, micro: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This micro-batch; on CUDA the next one is read meanwhile on a thread, into pinned memory."""
+        if self.prefetcher is None:
+            return self._load_batch((self.step, start))
+        last = micro == self.cfg.trainer.grad_accum - 1
+        b, procs, rank = self.micro_batch, self.acc.num_processes, self.acc.process_index
+        following = (self.step + 1, rank * b) if last else (self.step, ((micro + 1) * procs + rank) * b)
+        return self.prefetcher.get((self.step, start), following)
+
+    def _non_finite(self, bad: torch.Tensor) -> bool:
+        """True when the loss (`bad`) or, without an fp16 loss scaler (which skips overflowing steps itself),
+        the gradient is non-finite on any process. One host sync per optimizer step; the loss reduce that
+        follows syncs anyway."""
+        if self.acc.scaler is None:
+            grads = [p.grad for p in self.net.parameters() if p.grad is not None]
+            if grads:
+                bad = bad | ~torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())
+        if self.acc.num_processes > 1:
+            bad = self.acc.reduce(bad.float().reshape(1), reduction="sum") > 0
+        return bool(bad)
+
+    def _stop_diverged(self) -> None:
+        latest = latest_checkpoint(self.run_dir / "checkpoints")
+        self._release_run_dir()
+        self.logger.close()
+        good = (f"the last good checkpoint is {latest}; continue from it with a smaller learning rate "
+                f"(python -m train run_dir={self.run_dir} resume={latest} trainer.lr=...)") if latest else "no checkpoint was written before it"
+        raise RunStopped(f"training diverged: {self.bad_streak} steps in a row (up to step {self.step}) had a non-finite loss or "
+                         f"gradient and were skipped (trainer.max_bad_steps={self.cfg.trainer.max_bad_steps}); {good}.")
 
     # The loop.
 
@@ -199,19 +298,26 @@ class Trainer:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{images_per_s:.0f}")
             last = self.step == t.max_steps or time.perf_counter() - began > budget
-            if self.step % t.log_every == 0 or last:
+            if self.step % t.log_every == 0 or last or self.bad_streak == 1:
                 self.logger.log(self.step, {"loss": loss, **self.last_aux, "images_per_s": images_per_s,
-                                            "seconds": time.perf_counter() - began})
+                                            "seconds": time.perf_counter() - began, "skipped_steps": self.skipped_steps})
+            if self.bad_streak == 1:
+                self.acc.print(f"step {self.step}: non-finite loss or gradient; the step is skipped (no update, no EMA)")
+            if self.bad_streak >= t.max_bad_steps:
+                self._stop_diverged()
+            # Save first: a failing preview must not cost the checkpoint of its step. No checkpoint while the
+            # newest step was non-finite: the weights that produced it must not rotate out good ones.
+            if t.ckpt_every and (self.step % t.ckpt_every == 0 or last) and not self.bad_streak:
+                self.save()
             if t.sample_every and (self.step % t.sample_every == 0 or last):
                 self.sample_grid()
             if cfg.fid.every and (self.step % cfg.fid.every == 0 or last):
                 self.evaluate_fid()
-            if t.ckpt_every and (self.step % t.ckpt_every == 0 or last):
-                self.save()
             if last:
                 break
         bar.close()
         self.logger.close()
+        self._release_run_dir()
         return losses
 
     def evaluate_fid(self) -> float:
@@ -224,10 +330,19 @@ class Trainer:
         return fid
 
     def save(self) -> None:
+        """Checkpoint this step; never from non-finite weights, and a failed write names the last good one."""
         self.acc.wait_for_everyone()
-        if self.acc.is_main_process:
-            save_checkpoint(self.run_dir / "checkpoints", self.step, self.acc.unwrap_model(self.net), self.ema.module,
-                            self.optimizer, self.cfg, keep=self.cfg.trainer.keep_checkpoints)
+        ckpt_root = self.run_dir / "checkpoints"
+        try:
+            if self.acc.is_main_process:
+                save_checkpoint(ckpt_root, self.step, self.acc.unwrap_model(self.net), self.ema.module,
+                                self.optimizer, self.cfg, keep=self.cfg.trainer.keep_checkpoints)
+        except (NonFiniteWeights, OSError) as err:
+            latest = latest_checkpoint(ckpt_root)
+            self._release_run_dir()
+            what = "the weights hold NaN or inf" if isinstance(err, NonFiniteWeights) else "writing failed"
+            raise RunStopped(f"could not save the checkpoint of step {self.step} in {ckpt_root}: {what} ({type(err).__name__}: {err}); "
+                             f"the last good checkpoint is {latest or 'none'}, and nothing else was changed.") from None
         self.acc.wait_for_everyone()
 
     def sample_grid(self) -> Path | None:

@@ -147,6 +147,9 @@ class LatentDataset:
         # Model-space transform x = a * z + b per channel: SD scaling, then optional standardisation.
         channel_mean = torch.tensor(stats["mean"], dtype=torch.float32)
         channel_std = torch.tensor(stats["std"], dtype=torch.float32)
+        if not (torch.isfinite(channel_mean).all() and torch.isfinite(channel_std).all() and (channel_std > 0).all()):
+            raise _data_error(self.path, f"stats.json has a non-finite or zero channel std/mean (std {channel_std.tolist()}), "
+                                         "so the latents are NaN/inf or constant")
         if normalize == "standardize":
             a = self.scaling_factor * self.sigma_data / channel_std
             b = -channel_mean * self.sigma_data / channel_std
@@ -157,6 +160,12 @@ class LatentDataset:
 
         self._shards: dict[int, dict[str, np.ndarray]] = {}
         self._vae = None
+        # Labels are small (8 bytes a sample): check them all now, so a bad one fails at start-up.
+        for index, file in enumerate(self._files):
+            labels = self._shard(index)["labels"]
+            if labels.size and (labels.min() < 0 or labels.max() >= self.num_classes):
+                raise _data_error(self.path, f"shard {file.name} has labels in [{labels.min()}, {labels.max()}] outside the "
+                                             f"{self.num_classes} classes of meta.json")
 
     def _read_json(self, name: str) -> dict:
         file = self.path / name
@@ -213,6 +222,9 @@ class LatentDataset:
             std[rows] = arrays["std"][local[rows]]
             labels[rows] = arrays["labels"][local[rows]]
 
+        if not (np.isfinite(mean).all() and np.isfinite(std).all()):
+            shards = sorted({self._files[int(i)].name for i in np.unique(shard_ids)})
+            raise _data_error(self.path, f"shards {shards} hold NaN or inf latents (re-encode them)")
         # Sample the posterior z = mean + std * eps, then map to model space.
         device = generator.device
         eps = torch.randn(mean.shape, generator=generator, device=device)
@@ -236,6 +248,25 @@ class LatentDataset:
         z = self.from_model_space(x)
         images = [vae.decode(chunk).sample for chunk in z.split(batch_size)]
         return ((torch.cat(images).float() + 1) / 2).clamp(0, 1)
+
+
+def check_vae(cfg_data: Any) -> None:
+    """Refuse a VAE folder that does not exist before training starts (data.vae, else the one in meta.json)."""
+    vae = _cfg_value(cfg_data, "vae")
+    key = "data.vae"
+    if vae in (None, ""):
+        meta = Path(str(_cfg_value(cfg_data, "path", ""))).expanduser() / "meta.json"
+        try:
+            vae, key = json.loads(meta.read_text()).get("vae"), f"the vae in {meta}"
+        except (OSError, ValueError):
+            return  # the dataset itself reports an unreadable folder
+    if not vae:
+        return
+    vae = str(vae)
+    looks_local = os.path.isabs(vae) or vae.startswith((".", "~")) or vae.count("/") != 1
+    if looks_local and not Path(vae).expanduser().is_dir():
+        raise ConfigError(f"{key}={vae!r} is not a folder, so no preview grid could be decoded; pass data.vae=/path/to/sd-vae-ft-ema "
+                          "(a folder with config.json and the weights) or trainer.sample_every=0.")
 
 
 def _cfg_value(cfg: Any, key: str, default: Any = None) -> Any:

@@ -106,7 +106,7 @@ def reference_statistics(ref: str, extractor, accelerator, batch_size: int, size
 
 def sample_features(net, dataset, cfg: FIDConfig, accelerator, extractor, objective: Objective | None = None) -> torch.Tensor:
     """Inception features (num_samples, 2048) of generated images, gathered to every process."""
-    router = net.model.router
+    router = getattr(getattr(net, "model", None), "router", None)  # None: a network without TREAD routing
     if cfg.moe_threshold is not None or cfg.moe_target is not None:
         set_inference_capacity(net, threshold=cfg.moe_threshold, target=cfg.moe_target)
     sampled = with_routing_guidance(net, router, cfg.rg_scale, cfg.rg_gamma1, cfg.rg_gamma2, unconditional=cfg.rg_uncond,

@@ -1,0 +1,235 @@
+"""What every diffusers adapter shares: run a pretrained transformer's blocks through the shared Router.
+
+A `RoutedTransformer` holds a diffusers model and replaces only its forward's block loop: it embeds the
+inputs with the model's own modules, hands the image tokens to `Router.run` over a list of `Step`s (one per
+diffusers block, in the order the model runs them), and finishes with the model's own output layers. The
+weights, their names and the model's own `forward` are untouched, so `model.state_dict()`, LoRA keys and
+`save_pretrained` stay diffusers'.
+
+Only image tokens are routed. Everything else a block needs travels in a `Stream`, which the Router passes
+to every step as its `c`: the timestep embedding, the text stream (updated by joint blocks, never routed),
+family extras such as the rotary table, and the current route's `Selection`, recorded by a thin wrapper
+around the router's policy so a step can look up the original positions of the tokens it is given.
+
+Interface: `net(x, t, cond)` with x (B, C, H, W) latents, t (B,) flow time in [0, 1] (t = 1 is noise) and
+cond the family's conditioning (a dict; for DiT the class labels) returns the model's velocity (B, C, H, W),
+the call shape of `edm.FlowLoss`. `cond` may carry `force_keep`, a mask of tokens every route processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from routing import ConfigError, Router, RoutingPolicy, Selection, build_policy, resolve_routes
+
+Grid = tuple[int, int]
+
+# The diffusers release these adapters mirror: they re-run each model's forward around the block loop.
+DIFFUSERS_TESTED = "0.42"
+
+
+@dataclass
+class Stream:
+    """The Router's `c` for a diffusers stack: everything a block needs besides its image tokens."""
+
+    temb: torch.Tensor | None  # timestep (+ pooled text / label) embedding, as the model computes it
+    tokens: int  # image tokens N of the full sequence
+    text: torch.Tensor | None = None  # the context stream (Flux, SD3): every joint block updates it, all of it
+    extra: dict[str, Any] = field(default_factory=dict)  # family specifics: rotary table, masks, kwargs
+    selection: Selection | None = None  # the current route's subset, set at each route start
+    cache: dict[str, Any] = field(default_factory=dict)  # per-route values (a gathered rotary table)
+
+    def positions(self, k: int) -> torch.Tensor | None:
+        """(B, k) original positions of the k image tokens a block is given; None when it is given all N.
+
+        A route that keeps all N tokens keeps them in order (indices are sorted), so None is exact there too.
+        """
+        if k == self.tokens:
+            return None
+        if self.selection is None or self.selection.indices.shape[1] != k:
+            raise RuntimeError(f"a block received {k} of {self.tokens} image tokens outside a recorded route")
+        return self.selection.indices
+
+    def float(self) -> Stream:
+        """fp32 copy-in-place for the block the Router runs in fp32 after a route (`fp32_after_route`).
+
+        Cast in place and return self: the text stream a block updates must stay the one later blocks read.
+        """
+        def cast(v):
+            return v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+
+        self.temb, self.text = cast(self.temb), cast(self.text)
+        self.extra = {k: tuple(cast(u) for u in v) if isinstance(v, tuple) else cast(v) for k, v in self.extra.items()}
+        self.cache.clear()
+        return self
+
+
+class _Recording(RoutingPolicy):
+    """The router's policy, unchanged, that also writes each route's Selection into the stream."""
+
+    def __init__(self, inner: RoutingPolicy, stream: Stream):
+        self.inner, self.stream = inner, stream
+        self.name, self.yields_grid = inner.name, inner.yields_grid
+
+    def num_processed(self, grid, selection_ratio):
+        return self.inner.num_processed(grid, selection_ratio)
+
+    def check(self, grid, selection_ratio):
+        self.inner.check(grid, selection_ratio)
+
+    def select(self, x, grid, selection_ratio, generator, force_keep=None):
+        extra = {} if force_keep is None else {"force_keep": force_keep}
+        sel = self.inner.select(x, grid, selection_ratio, generator, **extra)
+        self.stream.selection = sel
+        self.stream.cache.clear()
+        return sel
+
+
+@contextmanager
+def recording(router: Router, stream: Stream) -> Iterator[None]:
+    saved = router.policy
+    router.policy = _Recording(saved, stream)
+    try:
+        yield
+    finally:
+        router.policy = saved
+
+
+class Step:
+    """One entry of the stack the Router runs: `step(x, stream, grid) -> x` around one diffusers block.
+
+    A plain callable, not a Module, so the block stays registered only where diffusers put it.
+    """
+
+    def __init__(self, block: nn.Module, call: Callable[[nn.Module, torch.Tensor, Stream], torch.Tensor], kind: str):
+        self.block, self.call, self.kind = block, call, kind
+
+    def __call__(self, x: torch.Tensor, stream: Stream, grid: Grid | None) -> torch.Tensor:
+        return self.call(self.block, x, stream)
+
+    def __repr__(self) -> str:
+        return f"Step({self.kind}: {type(self.block).__name__})"
+
+
+def run_block(model: nn.Module, block: nn.Module, *args):
+    """block(*args), under the model's gradient checkpointing when it is enabled (enable_gradient_checkpointing)."""
+    if torch.is_grad_enabled() and getattr(model, "gradient_checkpointing", False):
+        return model._gradient_checkpointing_func(block, *args)
+    return block(*args)
+
+
+def patchify(x: torch.Tensor, p: int) -> torch.Tensor:
+    """(B, C, H, W) -> (B, H/p * W/p, C * p * p), raster order, channels-major inside a patch (Flux packing)."""
+    b, c, h, w = x.shape
+    x = x.reshape(b, c, h // p, p, w // p, p)  # (B, C, h, p, w, p)
+    return x.permute(0, 2, 4, 1, 3, 5).reshape(b, (h // p) * (w // p), c * p * p)
+
+
+def unpatchify(x: torch.Tensor, grid: Grid, p: int, channels_last: bool) -> torch.Tensor:
+    """(B, h*w, p*p*C) -> (B, C, h*p, w*p).
+
+    channels_last: the token's features are ordered (p, p, C) as DiT/SD3/PixArt's proj_out writes them;
+    otherwise (C, p, p) as Flux packs them.
+    """
+    (h, w), b = grid, x.shape[0]
+    if channels_last:
+        x = x.reshape(b, h, w, p, p, -1).permute(0, 5, 1, 3, 2, 4)  # (B, h, w, p, q, C) -> (B, C, h, p, w, q)
+    else:
+        x = x.reshape(b, h, w, -1, p, p).permute(0, 3, 1, 4, 2, 5)  # (B, h, w, C, p, q) -> (B, C, h, p, w, q)
+    return x.reshape(b, x.shape[1], h * p, w * p)
+
+
+def token_mask(mask: torch.Tensor, grid: Grid, patch: int) -> torch.Tensor:
+    """A force-keep mask on the token grid, (B, h*w) bool.
+
+    Accepts it per token, (B, h*w), or per latent pixel, (B, H, W) or (B, 1, H, W); a token is kept when any
+    latent pixel of its patch is marked.
+    """
+    h, w = grid
+    if mask.ndim == 4 and mask.shape[1] == 1:
+        mask = mask[:, 0]
+    if mask.ndim == 2 and mask.shape[1] == h * w:
+        return mask.bool()
+    if mask.ndim == 3 and tuple(mask.shape[1:]) == (h * patch, w * patch):
+        return mask.bool().reshape(-1, h, patch, w, patch).any(4).any(2).reshape(-1, h * w)  # (B, H, W) -> (B, h*w)
+    raise ConfigError(
+        f"force_keep has shape {tuple(mask.shape)}; give (batch, {h * w}) per token or (batch, {h * patch}, {w * patch}) "
+        "per latent pixel."
+    )
+
+
+def split_cond(cond, kwargs: dict) -> tuple[dict, torch.Tensor | None]:
+    """Merge a positional cond (a mapping) with keyword conditioning; pull out `force_keep`."""
+    merged = {**(dict(cond) if isinstance(cond, Mapping) else {}), **kwargs}
+    return merged, merged.pop("force_keep", None)
+
+
+class RoutedTransformer(nn.Module):
+    """A diffusers transformer whose image tokens run through the shared Router. Subclasses: one per family.
+
+    `net.model` is the diffusers model (weights untouched); `net.router` the Router; `net.steps` the stack the
+    router indexes (route layer indices count these, e.g. Flux: its double blocks, then its single blocks).
+    """
+
+    family: str
+    model_class: str
+    patch: int  # latent pixels per token side
+
+    def __init__(self, model: nn.Module, router: Router | None = None):
+        super().__init__()
+        if type(model).__name__ != self.model_class:
+            raise ConfigError(f"the {self.family} adapter wraps a {self.model_class}, got {type(model).__name__}.")
+        self.model = model
+        self.router = router if router is not None else Router()
+        self.steps: list[Step] = self.build_steps()
+
+    @property
+    def depth(self) -> int:
+        return len(self.steps)
+
+    # Family hooks.
+    def build_steps(self) -> list[Step]:
+        raise NotImplementedError
+
+    def embed(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> tuple[torch.Tensor, Stream, Grid]:
+        """Inputs -> (image tokens (B, N, D), stream, token grid), with the model's own modules."""
+        raise NotImplementedError
+
+    def head(self, tokens: torch.Tensor, stream: Stream, grid: Grid) -> torch.Tensor:
+        """Image tokens (B, N, D) -> velocity (B, C, H, W), with the model's own output layers."""
+        raise NotImplementedError
+
+    def reference(self, x: torch.Tensor, t: torch.Tensor, cond=None, **kwargs) -> torch.Tensor:
+        """The same mapping through the diffusers model's own forward: the unrouted oracle."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, cond=None, *, force_keep: torch.Tensor | None = None, **kwargs):
+        """x (B, C, H, W), t (B,) or () in [0, 1]; cond: a dict of the family's inputs (or DiT's labels)."""
+        cond, mask = self.conditioning(cond, kwargs)
+        mask = force_keep if force_keep is not None else mask
+        t = t.reshape(-1).expand(x.shape[0])  # () or (B,) -> (B,)
+        tokens, stream, grid = self.embed(x, t, cond)
+        keep = None if mask is None else token_mask(mask.to(tokens.device), grid, self.patch)
+        with recording(self.router, stream):
+            tokens = self.router.run(self.steps, tokens, stream, grid, self.training, force_keep=keep)
+        return self.head(tokens, stream, grid)
+
+    def conditioning(self, cond, kwargs: dict) -> tuple[dict, torch.Tensor | None]:
+        return split_cond(cond, kwargs)
+
+    def extra_repr(self) -> str:
+        routes = ", ".join(f"r{r.start_layer_idx}->{r.end_layer_idx} x{r.selection_ratio}" for r in self.router.routes)
+        return f"family={self.family}, depth={self.depth}, policy={self.router.policy.name}, routes=[{routes}]"
+
+
+def make_router(depth: int, policy: str | RoutingPolicy | None, routes, **router_kwargs) -> Router:
+    """A Router for a stack of `depth` steps from a policy name (or object) and route specs (dicts or Routes)."""
+    if isinstance(policy, str) or policy is None:
+        policy = build_policy(policy or ("random" if routes else "none"))
+    return Router(policy, resolve_routes(list(routes or []), depth), **router_kwargs)

@@ -1,0 +1,317 @@
+"""`check_config`: every cheap check of a composed config, before any work starts; one sentence per mistake.
+
+Types and unknown keys are checked by merging the values over the schema's dataclasses (Hydra already does
+this when it composes; a config built by hand gets the same check here). Then every key with a range or a
+list of choices is checked, `data` and `objective` against the schema of their option, and
+`backbone.kwargs` against the family's Block signature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import typing
+from typing import Any, Iterator
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from routing.errors import ConfigError
+from train.schema.config import Config
+from train.schema.data import DATA
+from train.schema.keys import APPLY, REFUSE, describe_range, in_range
+from train.schema.objective import OBJECTIVES
+
+# Keys whose value is the run itself, not a setting: never compared on resume.
+RUN_KEYS = ("run_dir", "resume", "overwrite")
+# Sections whose option picks their schema.
+OPTION_SCHEMAS = {"data": DATA, "objective": OBJECTIVES}
+
+
+# Walking the schema.
+
+
+def _base_type(tp: Any) -> Any:
+    """int for int / Optional[int]; list for List[float]; the dataclass for a group."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _base_type(args[0]) if len(args) == 1 else Any
+    return origin or tp
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        f.type = hints[f.name]
+        out[f.name] = f
+    return out
+
+
+def schema_for(path: str, cfg: Any = None) -> tuple[Any, dict] | None:
+    """(type, metadata) of dotted key `path` (e.g. 'trainer.lr', 'data.num_images'); None if not in the schema.
+
+    For `data.*` and `objective.*` the option comes from `cfg` (its name), or from a `name[option]` prefix.
+    """
+    parts = path.split(".")
+    cls: Any = Config
+    for i, part in enumerate(parts):
+        if cls in (Config,) and part in OPTION_SCHEMAS:
+            name = _option(cfg, part)
+            if name not in OPTION_SCHEMAS[part]:
+                return None
+            cls = OPTION_SCHEMAS[part][name]
+            continue
+        fields = _fields(cls) if dataclasses.is_dataclass(cls) else {}
+        if part not in fields:
+            return None
+        tp = _base_type(fields[part].type)
+        if i == len(parts) - 1:
+            return fields[part].type, dict(fields[part].metadata)
+        if not dataclasses.is_dataclass(tp):
+            return None
+        cls = tp
+    return None
+
+
+def _option(cfg: Any, section: str) -> str | None:
+    try:
+        node = cfg[section] if cfg is not None else None
+        return str(node["name"]) if node is not None and "name" in node else None
+    except Exception:
+        return None
+
+
+def _leaves(cls: type, prefix: str = "") -> Iterator[tuple[str, Any, dict]]:
+    for name, f in _fields(cls).items():
+        tp = _base_type(f.type)
+        if dataclasses.is_dataclass(tp):
+            yield from _leaves(tp, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", f.type, dict(f.metadata)
+
+
+def numeric_keys() -> list[tuple[tuple[str, ...], str, type, dict]]:
+    """Every int/float key of the schema: (group overrides that select it, dotted key, int|float, metadata)."""
+    out = []
+    for path, tp, meta in _leaves(Config):
+        base = _base_type(tp)
+        if base is list:
+            base = float if typing.get_args(tp) and typing.get_args(tp)[0] is float else base
+        if base in (int, float):
+            out.append(((), path, base, meta))
+    for section, options in OPTION_SCHEMAS.items():
+        for option, cls in options.items():
+            for path, tp, meta in _leaves(cls, f"{section}."):
+                if _base_type(tp) in (int, float):
+                    out.append(((f"{section}={option}",), path, _base_type(tp), meta))
+    return out
+
+
+# Messages.
+
+
+def _type_name(tp: Any) -> str:
+    base = _base_type(tp)
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list", dict: "a mapping"}
+    text = names.get(base, "a value of the documented type")
+    return text + (" or null" if typing.get_origin(tp) is typing.Union else "")
+
+
+def _example(path: str, meta: dict) -> str:
+    example = meta.get("example")
+    return f" (e.g. {path}={str(example).lower() if isinstance(example, bool) else example})" if example is not None else ""
+
+
+def wrong_type(path: str, value: Any, cfg: Any = None) -> ConfigError:
+    found = schema_for(path, cfg)
+    if found is None:
+        return ConfigError(f"{path}={value!r} has the wrong type; see `python -m train --help` for the expected one.")
+    tp, meta = found
+    rng = describe_range(meta)
+    return ConfigError(f"{path}={value!r} is not {_type_name(tp)}; it must be {_type_name(tp)}{' ' + rng if rng else ''}{_example(path, meta)}.")
+
+
+def out_of_range(path: str, value: Any, meta: dict) -> ConfigError:
+    if meta.get("choices"):
+        return ConfigError(f"{path}={value!r} is unknown; choose {describe_range(meta)}{_example(path, meta)}.")
+    return ConfigError(f"{path}={value!r} is out of range; it must be {describe_range(meta)}{_example(path, meta)}.")
+
+
+def _known_keys(path: str, cfg: Any) -> list[str]:
+    parent = path.rsplit(".", 1)[0] if "." in path else ""
+    if not parent:
+        return [f.name for f in dataclasses.fields(Config)]
+    found = schema_for(parent, cfg)
+    if parent in OPTION_SCHEMAS and _option(cfg, parent) in OPTION_SCHEMAS[parent]:
+        return [f.name for f in dataclasses.fields(OPTION_SCHEMAS[parent][_option(cfg, parent)])]
+    tp = _base_type(found[0]) if found else None
+    return [f.name for f in dataclasses.fields(tp)] if dataclasses.is_dataclass(tp) else []
+
+
+def unknown_key(path: str, cfg: Any = None) -> ConfigError:
+    known = _known_keys(path, cfg)
+    hint = f"; the keys there are {', '.join(known)}" if known else ""
+    return ConfigError(f"{path} is not a config key{hint} (a new key is declared in train/schema/).")
+
+
+def config_error(err: BaseException, cfg: Any = None) -> ConfigError:
+    """An OmegaConf or Hydra composition error as one sentence naming the key and what it accepts."""
+    cause = err
+    while not isinstance(cause, OmegaConfBaseException) and cause.__cause__ is not None:
+        cause = cause.__cause__
+    if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
+        path = str(cause.full_key)
+        if isinstance(cause, (ConfigKeyError, AttributeError)) or "not in struct" in str(cause) or "not in '" in str(cause):
+            append = re.search(r"To append to your config use (\+\S+)", str(err))
+            parent = schema_for(path.rsplit(".", 1)[0], cfg) if "." in path else None
+            if append and parent and _base_type(parent[0]) is dict:
+                return ConfigError(f"{path} is not in {path.rsplit('.', 1)[0]} yet; add it with a plus: {append.group(1)}.")
+            return unknown_key(path, cfg)
+        if isinstance(cause, ValidationError):
+            return wrong_type(path, cause.value if hasattr(cause, "value") else None, cfg)
+    text = str(err).split("Config search path")[0]
+    text = " ".join(line.strip() for line in text.splitlines() if line.strip() and not line.startswith("See https"))
+    text = text.replace("Available options in", "; available options in").replace(" ;", ";")
+    return ConfigError(text.rstrip(".") + ".")
+
+
+# The checks.
+
+
+def _typed(cfg: Any) -> DictConfig:
+    """`cfg` merged over the schema (refusing wrong types and unknown keys)."""
+    plain = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=False)
+    plain = {k: v for k, v in plain.items() if k != "hydra"}
+    try:
+        typed = OmegaConf.merge(OmegaConf.structured(Config), plain)
+        for section, options in OPTION_SCHEMAS.items():
+            node = plain.get(section)
+            if node is None:
+                continue
+            name = node.get("name") if isinstance(node, dict) else None
+            if name not in options:
+                choices = ", ".join(f"{section}={o}" for o in options)
+                raise ConfigError(f"{section}.name={name!r} is unknown; choose {choices}.")
+            try:
+                OmegaConf.merge(OmegaConf.structured(options[name]), node)
+            except OmegaConfBaseException as err:
+                err.full_key = f"{section}.{err.full_key}"
+                raise
+    except OmegaConfBaseException as err:
+        raise config_error(err, OmegaConf.create(plain)) from None
+    return typed
+
+
+def _check_ranges(cfg: Any, cls: type, prefix: str) -> None:
+    for name, f in _fields(cls).items():
+        path, meta = f"{prefix}{name}", dict(f.metadata)
+        if name not in cfg or (isinstance(cfg, DictConfig) and OmegaConf.is_missing(cfg, name)):
+            continue
+        value = cfg[name]
+        if dataclasses.is_dataclass(_base_type(f.type)):
+            _check_ranges(value, _base_type(f.type), f"{path}.")
+            continue
+        if value is None:
+            continue
+        values = list(value) if isinstance(value, (list, ListConfig)) else [value]
+        for v in values:
+            if meta.get("choices") and v not in meta["choices"]:
+                raise out_of_range(path, value, meta)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not in_range(v, meta):
+                raise out_of_range(path, value, meta)
+
+
+def check_config(cfg: Any) -> None:
+    """Refuse a config with a wrong type, unknown key, value out of range or unfit backbone kwargs (ConfigError)."""
+    typed = _typed(cfg)
+    _check_ranges(typed, Config, "")
+    for section, options in OPTION_SCHEMAS.items():
+        if typed[section] is not None:
+            _check_ranges(typed[section], options[typed[section].name], f"{section}.")
+    _check_resume(typed.resume)
+    _check_backbone(typed.backbone)
+    fid = typed.fid
+    if fid.every and not fid.ref:
+        raise ConfigError("fid.ref is not set but fid.every > 0: pass fid.ref=/path/to/ref.npz (mu, sigma) or a folder of real images, or fid.every=0.")
+    for key_ in ("ref", "inception"):
+        if fid.every and fid[key_]:
+            from pathlib import Path
+
+            if not Path(str(fid[key_])).expanduser().exists():
+                raise ConfigError(f"fid.{key_}={fid[key_]!r} does not exist; pass an existing file or folder (or fid.every=0 to turn FID off).")
+
+
+def _check_resume(resume: Any) -> None:
+    if resume is None or isinstance(resume, bool) or str(resume) in ("auto", "latest", "true", "false"):
+        return
+    if not isinstance(resume, str):
+        raise ConfigError(f"resume={resume!r} is not understood; use resume=auto, resume=true or a checkpoint folder (e.g. resume=runs/X/checkpoints/step_0000100).")
+
+
+def _check_backbone(b: DictConfig) -> None:
+    from backbones import family_module
+
+    module = family_module(b.name)
+    if b.preset not in module.PRESETS:
+        raise ConfigError(f"backbone.preset='{b.preset}' is unknown for {b.name}; choose one of {list(module.PRESETS)}.")
+    params = inspect.signature(module.Block.__init__).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    fixed = list(params)[:4]  # self, width, layer_idx, depth: the skeleton passes them
+    allowed = [n for n in params if n not in fixed and params[n].kind is not params[n].VAR_KEYWORD]
+    kwargs = OmegaConf.to_container(b.kwargs) or {}
+    for name, value in kwargs.items():
+        if name in ("hidden_size", "depth"):
+            raise ConfigError(f"backbone.kwargs.{name} is set; use backbone.{name}={value} instead.")
+        if name not in allowed and not takes_any:
+            raise ConfigError(f"backbone.kwargs.{name} is not an argument of the {b.name} block; it takes {', '.join(allowed) or 'none'} "
+                              f"(e.g. +backbone.kwargs.{allowed[0] if allowed else 'name'}=...).")
+        want = {"int": int, "float": (int, float), "bool": bool, "str": str}.get(str(params[name].annotation)) if name in params else None
+        if want is not None and value is not None and (not isinstance(value, want) or (want is not bool and isinstance(value, bool))):
+            raise ConfigError(f"backbone.kwargs.{name}={value!r} is not {_type_name(float if want == (int, float) else want)} "
+                              f"(the {b.name} block's {name} is {params[name].annotation}).")
+    spec = {**module.PRESETS[b.preset], **{k: v for k, v in (("depth", b.depth), ("hidden_size", b.hidden_size)) if v is not None}, **kwargs}
+    heads, width = spec.get("num_heads"), spec.get("hidden_size")
+    if isinstance(heads, int) and isinstance(width, int):
+        where = "backbone.kwargs.num_heads" if "num_heads" in kwargs else f"{b.name}-{b.preset}'s num_heads"
+        if heads < 1 or width % heads:
+            raise ConfigError(f"{where}={heads} does not divide the width {width} (backbone.hidden_size); "
+                              f"choose a head count that divides it (e.g. +backbone.kwargs.num_heads={_divisor(width)}).")
+
+
+def _divisor(width: int) -> int:
+    return next(h for h in (8, 6, 4, 3, 2, 1) if width % h == 0)
+
+
+# Resume.
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+    return {prefix.rstrip("."): node}
+
+
+def resume_changes(saved: Any, current: Any) -> tuple[list[str], list[str]]:
+    """Keys that differ between a checkpoint's config and this run's: (refused, applied), as 'key: old -> new'.
+
+    A key refuses a change when its schema field says on_resume=REFUSE (the value changes what the saved
+    weights mean, e.g. edm.sigma_data); every other change is applied by the resumed run. Keys the
+    checkpoint predates are not changes.
+    """
+    to_plain = lambda c: OmegaConf.to_container(c, resolve=True) if isinstance(c, (DictConfig, ListConfig)) else c  # noqa: E731
+    old, new = _flat(to_plain(saved)), _flat(to_plain(current))
+    refused, applied = [], []
+    for path in sorted(new):
+        if path.split(".")[0] in RUN_KEYS or path.startswith("hydra.") or path not in old or old[path] == new[path]:
+            continue
+        section = path.split(".")[0]
+        found = schema_for(path, current)
+        rule = REFUSE if section in OPTION_SCHEMAS else (found[1].get("on_resume", APPLY) if found else APPLY)
+        (refused if rule == REFUSE else applied).append(f"{path}: {old[path]!r} -> {new[path]!r}")
+    return refused, applied

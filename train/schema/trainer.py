@@ -1,0 +1,30 @@
+"""`trainer:` the optimisation loop, its intervals, checkpoints and divergence guard."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from train.schema.keys import key
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = key(2000, "optimizer steps to train", ge=1, example=5000)
+    max_minutes: Optional[float] = key(None, "wall-clock budget in minutes; stops with a checkpoint and samples (null: none)", gt=0, example=60)
+    batch_size: int = key(64, "GLOBAL batch per optimizer step, over all processes and accumulation steps", ge=1, example=64)
+    grad_accum: int = key(1, "micro-batches accumulated per optimizer step", ge=1, example=2)
+    lr: float = key(1e-3, "AdamW learning rate", gt=0, le=1, example=1e-4)
+    betas: List[float] = key([0.9, 0.999], "AdamW betas, each in [0, 1)", ge=0, lt=1, example="[0.9,0.999]")
+    weight_decay: float = key(0.0, "AdamW weight decay", ge=0, example=0.01)
+    grad_clip: Optional[float] = key(None, "max gradient norm (null: no clipping)", gt=0, example=1.0)
+    ema_decay: float = key(0.999, "EMA decay of the sampled weights", ge=0, le=1, example=0.9999)
+    ema_warmup: bool = key(True, "timm's EMA warm-up: the decay grows with the step")
+    mixed_precision: str = key("no", "autocast precision", choices=("no", "bf16", "fp16"), example="bf16")
+    cpu: bool = key(False, "force the CPU even when a GPU is visible")
+    compile: bool = key(False, "torch.compile the network")
+    log_every: int = key(10, "steps between metrics.jsonl lines", ge=1, example=100)
+    sample_every: int = key(500, "steps between preview grids (0: off)", ge=0, example=1000)
+    ckpt_every: int = key(500, "steps between checkpoints, plus one at the end (0: no checkpoints)", ge=0, example=1000)
+    keep_checkpoints: int = key(2, "checkpoints kept in run_dir/checkpoints (the newest; the one `latest` names is never deleted)", ge=1, example=3)
+    max_bad_steps: int = key(20, "consecutive steps with a non-finite loss or gradient (each skipped) before the run stops", ge=1, example=50)
