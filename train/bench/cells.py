@@ -56,6 +56,32 @@ def compose_cell(bench: DictConfig, backbone: str, routing: str, seed: int) -> C
             "run_dir": str(Path(bench.out_dir) / "runs" / f"{backbone}-{routing}-s{seed}"),
             "routing": {"allow_unstructured": bool(cfg.routing.allow_unstructured or ablation)},
             "trainer": {"max_minutes": t.minutes, "max_steps": t.max_steps, "batch_size": t.batch_size,
-                        "log_every": t.log_every, "sample_every": 0, "ckpt_every": 0, "cpu": bench.device == "cpu"},
+                        "log_every": t.log_every, "sample_every": 0, "cpu": bench.device == "cpu",
+                        # Checkpoints every eval.every steps feed the quality-vs-steps curve; all are kept until scored.
+                        "ckpt_every": bench.eval.get("every") or 0, "keep_checkpoints": 10**9},
         })
     return Cell(backbone, routing, seed, cfg, ablation)
+
+
+def grid_cells(bench: DictConfig) -> list[Cell]:
+    """Every (backbone, routing, seed) of the grid, seed-major so a partial run covers every pair evenly.
+
+    `grid.skip` drops pairs ("rwkv-random"), e.g. the 1-D ablations when CPU time is short.
+    """
+    skip = set(bench.grid.get("skip") or [])
+    return [compose_cell(bench, b, r, s) for s in bench.seeds for b in bench.grid.backbones for r in bench.grid.routings
+            if f"{b}-{r}" not in skip]
+
+
+def set_step_budget(cell: Cell, steps: int | None, speedup: float | None) -> None:
+    """Equal compute as a step count: the unrouted cell trains `steps` steps, a routed one `steps` x its
+    measured speedup (interleaved median step times of the cost phase, at the training shape).
+
+    On a shared machine a wall-clock budget charges other people's jobs to whichever cell is running; the
+    step-time ratio comes from round-robin medians, so a burst of load hits every cell of the ratio alike.
+    """
+    if steps is None:
+        return
+    with open_dict(cell.cfg):
+        cell.cfg.trainer.max_minutes = None
+        cell.cfg.trainer.max_steps = max(1, round(steps * (speedup or 1.0)))

@@ -79,3 +79,39 @@ def plot_bars(rows: list[dict], path: Path, panels: dict[str, str]) -> None:
     fig.tight_layout(rect=(0, 0, 1, 0.92))
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_quality_curves(curves: dict[tuple[str, str], list[dict]], path: Path) -> None:
+    """Held-out EMA loss of the checkpoints against optimizer steps (left) and training seconds (right).
+
+    One line per (backbone, routing): the mean over seeds at the steps every seed reached, with the seeds'
+    min-max band, so a routed line below its baseline at the same step means routing cost nothing per update.
+    """
+    backbones = list(dict.fromkeys(b for b, _ in curves))
+    colours = _colours(backbones)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    for (backbone, routing), runs in curves.items():
+        runs = [r for r in runs if r and r["step"]]
+        if not runs:
+            continue
+        steps = sorted(set.intersection(*(set(r["step"]) for r in runs)))
+        if not steps:
+            continue
+        losses = [[r["ema_loss"][r["step"].index(s)] for r in runs] for s in steps]  # (steps, seeds)
+        seconds = [sum(r["seconds"][r["step"].index(s)] or 0 for r in runs) / len(runs) for s in steps]
+        mean = [sum(v) / len(v) for v in losses]
+        style = dict(color=colours[backbone], linestyle=LINESTYLES.get(routing, "-."), linewidth=1.5, marker=".")
+        for ax, x in zip(axes, (steps, seconds)):
+            ax.plot(x, mean, label=f"{backbone} / {routing}", **style)
+            ax.fill_between(x, [min(v) for v in losses], [max(v) for v in losses], color=colours[backbone], alpha=0.12)
+    for ax, xlabel in zip(axes, ("optimizer steps", "wall-clock seconds of training (this machine, shared)")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("held-out EMA loss (lower is better)")
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_title("Quality against optimizer steps (mean over seeds, band: min-max)")
+    axes[1].set_title("The same checkpoints against training time")
+    axes[0].legend(ncol=2, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

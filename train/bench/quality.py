@@ -1,7 +1,9 @@
-"""Quality of every cell: the real Trainer for an equal budget, then the EMA model's loss and classifier scores."""
+"""Quality of every cell: the real Trainer for an equal budget, then the EMA model's loss and classifier scores,
+at the end of the budget and against optimizer steps (the checkpoints the trainer wrote on the way)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -10,6 +12,8 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
+from safetensors.torch import load_file
+from torch import nn
 from tqdm.auto import tqdm
 
 from edm import EDMLoss, EDMPrecond, LogNormalSigma, generate
@@ -19,19 +23,25 @@ from train.build import build_backbone_for
 from train.data import build_dataset
 from train.grid import grid_labels, save_grid
 from train.metrics.classifier import SmallCNN, features, sample_scores
+from train.metrics.heldout import HeldOutReference
 from train.trainer import Trainer
 
 STALL = 2.0  # a training step slower than STALL x the cell's median step was slowed down by something else
 
 
 class Evaluation:
-    """What every cell is scored against, fixed once per bench: a loss batch, sample labels, a classifier."""
+    """What every cell is scored against, fixed once per bench: a loss batch, sample labels, a classifier.
 
-    def __init__(self, bench: DictConfig, cfg: DictConfig, dataset, classifier: SmallCNN):
+    With a test split (data.split) the loss batch and the FD reference are test images and the floor is
+    train images against them (train/metrics/heldout.py); otherwise as described in `reference_images`.
+    """
+
+    def __init__(self, bench: DictConfig, cfg: DictConfig, dataset, classifier: SmallCNN, test=None):
         e = bench.eval
         self.cfg, self.dataset, self.classifier = e, dataset, classifier
         self.device = torch.device(bench.device)
-        reference, self.reference = reference_images(cfg, dataset)
+        reference, self.reference = (test, f"held out: the {len(test):,} {test.name} images") if test is not None \
+            else reference_images(cfg, dataset)
         g = torch.Generator().manual_seed(e.seed)
         order = torch.randperm(len(reference), generator=g)
         # Loss batch: clean images, labels, sigma and noise drawn once, identical for every cell.
@@ -40,28 +50,39 @@ class Evaluation:
         self.sigma = LogNormalSigma(cfg.edm.P_mean, cfg.edm.P_std)(n, g)
         self.noise = torch.randn(n, *dataset.shape, generator=g)
         self.loss_fn = EDMLoss(cfg.edm.sigma_data)
+        self.sample_labels = grid_labels(dataset.num_classes, e.per_class)
+        if test is not None:
+            held_out = HeldOutReference(classifier, test, dataset, e.num_real, len(self.sample_labels), e.seed)
+            self.real_features, self.real_scores = held_out.real_features, held_out.floor
+            self.floor = f"{len(self.sample_labels)} train images against the same test reference"
+            return
         num_real = min(e.num_real, len(reference))
         real, _ = reference.get(order[:num_real])
         self.real_features = features(classifier, real)
-        self.sample_labels = grid_labels(dataset.num_classes, e.per_class)
         # The scores of as many other real images as there are samples: the best a model can reach at this size.
         others = order[num_real:] if len(reference) - num_real >= len(self.sample_labels) else order
         images, labels = reference.get(others[: len(self.sample_labels)])
         self.real_scores = sample_scores(classifier, images, labels, self.real_features)
+        self.floor = f"{len(self.sample_labels)} other real images"
+
+    @torch.no_grad()
+    def loss(self, net: EDMPrecond) -> float:
+        """EDM loss of `net` (eval mode: no routing) on the fixed batch with fixed sigma and noise."""
+        net.eval()
+        d = self.device
+        return self.loss_fn(net, self.y.to(d), self.labels.to(d), self.sigma.to(d), self.noise.to(d)).mean().item()
 
     @torch.no_grad()
     def score(self, net: EDMPrecond) -> tuple[dict[str, float], torch.Tensor]:
         """EMA loss, classifier-FD and class accuracy of `net` (eval mode: no routing), and its samples."""
-        net.eval()
-        d = self.device
-        loss = self.loss_fn(net, self.y.to(d), self.labels.to(d), self.sigma.to(d), self.noise.to(d)).mean().item()
+        loss = self.loss(net)
         samples = generate(net, self.sample_labels, shape=self.dataset.shape, steps=self.cfg.steps, guidance=self.cfg.guidance,
-                           seed=self.cfg.seed, device=d, null_label=self.dataset.num_classes).cpu()
+                           seed=self.cfg.seed, device=self.device, null_label=self.dataset.num_classes).cpu()
         return {"ema_loss": loss, **sample_scores(self.classifier, samples, self.sample_labels, self.real_features)}, samples
 
 
 def reference_images(cfg: DictConfig, dataset):
-    """Real images for the loss batch and the FD reference, and how they were obtained.
+    """Real images for the loss batch and the FD reference of a dataset without a test split.
 
     Procedural data (a `seed` key) is drawn again with another seed, so the images are unseen; a fixed set
     such as digits has no held-out split, so its training images are used.
@@ -71,6 +92,15 @@ def reference_images(cfg: DictConfig, dataset):
         held_out.seed = cfg.data.seed + 1
         return build_dataset(held_out, cfg.edm.sigma_data), f"held out: {cfg.data.name} drawn with seed {held_out.seed}"
     return dataset, f"training images: {cfg.data.name} has no held-out split"
+
+
+def held_out_split(cfg: DictConfig, sigma_data: float):
+    """The test split of a dataset that has one (a `split` key), else None."""
+    if "split" not in cfg.data:
+        return None
+    held_out = cfg.data.copy()
+    held_out.split = "test"
+    return build_dataset(held_out, sigma_data)
 
 
 def warm_up(pairs: list[Cell], shape: tuple[int, ...], num_classes: int, bench: DictConfig) -> None:
@@ -96,13 +126,41 @@ def train_and_score(cell: Cell, evaluation: Evaluation, out: Path) -> dict:
     scores, samples = evaluation.score(trainer.ema.module)
     save_grid(evaluation.dataset.to_images(samples), out / "samples" / f"{cell.name}.png", per_row=evaluation.cfg.per_class)
     seconds = metrics[-1]["seconds"]
+    at_step = (evaluation.cfg.get("at_steps") or {}).get(cell.backbone)
     return {
+        **scores, **score_checkpoints(trainer.ema.module, run_dir / "checkpoints", evaluation, metrics, at_step),
         "cell": cell.name, "backbone": cell.backbone, "routing": cell.routing, "seed": cell.seed,
         "train_steps": trainer.step, "train_seconds": seconds, "stalled_seconds": stalled_seconds([m["seconds"] for m in metrics]),
-        "images_per_s": trainer.step * cell.cfg.trainer.batch_size / seconds, **scores,
+        "images_per_s": trainer.step * cell.cfg.trainer.batch_size / seconds,
         "curve": {key: [m[key] for m in metrics] for key in ("step", "seconds", "loss")},
         "date": now(), "load_average": os.getloadavg(),
     }
+
+
+def score_checkpoints(ema: nn.Module, root: Path, evaluation: Evaluation, metrics: list[dict], at_step: int | None) -> dict:
+    """Quality against optimizer steps: the held-out EMA loss of every checkpoint the trainer wrote (every
+    `eval.every` steps), and the full sample scores at `at_step`, a step count every cell of the backbone
+    reaches, so routed and unrouted cells are also compared after the same number of updates.
+
+    The checkpoints are deleted afterwards: a grid of cells would otherwise keep gigabytes of optimizer state.
+    """
+    seconds = {m["step"]: m["seconds"] for m in metrics}
+    net = copy.deepcopy(ema)
+    curve = {"step": [], "seconds": [], "ema_loss": []}
+    at = {"at_step": at_step, "at_step_ema_loss": None, "at_step_classifier_fd": None, "at_step_class_accuracy": None}
+    for ckpt in sorted(root.glob("step_*")):
+        step = int(ckpt.name.removeprefix("step_"))
+        net.load_state_dict(load_file(str(ckpt / "ema.safetensors")))
+        curve["step"].append(step)
+        curve["seconds"].append(seconds.get(step))
+        if step == at_step:
+            scores, _ = evaluation.score(net)
+            at.update({f"at_step_{k}": v for k, v in scores.items()})
+            curve["ema_loss"].append(scores["ema_loss"])
+        else:
+            curve["ema_loss"].append(evaluation.loss(net))
+    shutil.rmtree(root, ignore_errors=True)
+    return {"quality_curve": curve, **at}
 
 
 def stalled_seconds(elapsed: list[float]) -> float:

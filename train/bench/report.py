@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import csv
-import statistics
 from pathlib import Path
 
 from train.bench.cells import Cell
 from train.bench.cost import speedups
 from train.bench.quality import STALL
+from train.bench.stats import summary, verdict, welch_difference
 from train.bench.store import write_json_atomic
 
-QUALITY = ("train_steps", "images_per_s", "stalled_seconds", "ema_loss", "classifier_fd", "class_accuracy")
+QUALITY = ("train_steps", "train_seconds", "images_per_s", "stalled_seconds", "ema_loss", "classifier_fd", "class_accuracy",
+           "at_step_ema_loss", "at_step_classifier_fd", "at_step_class_accuracy")
+# Columns compared routed vs unrouted, and whether lower is better.
+COMPARED = {"ema_loss": True, "classifier_fd": True, "class_accuracy": False,
+            "at_step_ema_loss": True, "at_step_classifier_fd": True, "at_step_class_accuracy": False}
 NOISY = 0.1  # share of a cell's budget lost to stalls above which the table flags the cell
 
 
@@ -31,11 +35,22 @@ def table_rows(pairs: list[Cell], costs: dict, runs: dict[str, list[dict]]) -> l
             "peak_memory_mb": None if cost["peak_memory_bytes"] is None else cost["peak_memory_bytes"] / 2**20,
             "seeds": len(quality),
         }
+        # Keys a mode does not measure (no matched-step scores, one seed) are left out rather than left empty.
         for key in QUALITY:
-            values = [q[key] for q in quality]
-            row[key] = statistics.fmean(values)
-            if len(values) > 1:
-                row[f"{key}_std"] = statistics.stdev(values)
+            s = summary([q.get(key) for q in quality])
+            if s["mean"] is not None:
+                row[key] = s["mean"]
+            if s["std"] is not None:
+                row[f"{key}_std"], row[f"{key}_ci95"] = s["std"], s["ci95"]
+        if quality and quality[0].get("at_step") is not None:
+            row["at_step"] = quality[0]["at_step"]
+        base = runs.get(f"{cell.backbone}-none")
+        if cell.routing != "none" and base and len(quality) > 1:
+            for key, lower in COMPARED.items():
+                d = welch_difference([q.get(key) for q in quality], [q.get(key) for q in base])
+                if d["low"] is not None:
+                    row[f"{key}_diff"], row[f"{key}_diff_low"], row[f"{key}_diff_high"] = d["diff"], d["low"], d["high"]
+                    row[f"{key}_verdict"] = verdict(d, lower)
         row["noisy"] = any(q["stalled_seconds"] > NOISY * q["train_seconds"] for q in quality)
         rows.append(row)
     return rows
@@ -50,7 +65,10 @@ COLUMNS = {  # key: (markdown header, format)
     "train_steps": ("steps in budget (4)", "{:.0f}"), "images_per_s": ("img/s", "{:.0f}"),
     "ema_loss": ("EMA loss (5)", "{:.4f}"), "classifier_fd": ("classifier-FD (6)", "{:.2f}"),
     "class_accuracy": ("class accuracy (6)", "{:.1%}"),
+    "at_step": ("matched step (7)", "{}"), "at_step_ema_loss": ("EMA loss @ step", "{:.4f}"),
+    "at_step_classifier_fd": ("classifier-FD @ step", "{:.2f}"), "at_step_class_accuracy": ("class accuracy @ step", "{:.1%}"),
 }
+OPTIONAL = ("at_step", "at_step_ema_loss", "at_step_classifier_fd", "at_step_class_accuracy")  # shown when measured
 
 
 def _cell_text(row: dict, key: str) -> str:
@@ -58,15 +76,17 @@ def _cell_text(row: dict, key: str) -> str:
     if value is None:
         return "n/a"
     text = COLUMNS[key][1].format(value)
-    std = row.get(f"{key}_std")
-    text = text if std is None else f"{text} ± {COLUMNS[key][1].format(std)}"
+    # With several seeds: mean ± the half-width of its 95% t-interval (the std is in table.csv / table.json).
+    half = row.get(f"{key}_ci95")
+    text = text if half is None else f"{text} ± {COLUMNS[key][1].format(half)}"
     return f"{text} †" if key == "train_steps" and row["noisy"] else text
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
     m = meta
-    lines = [f"| {' | '.join(h for h, _ in COLUMNS.values())} |", "|" + "---|" * len(COLUMNS)]
-    lines += [f"| {' | '.join(_cell_text(r, k) for k in COLUMNS)} |" for r in rows]
+    columns = [k for k in COLUMNS if k not in OPTIONAL or any(k in r for r in rows)]
+    lines = [f"| {' | '.join(COLUMNS[k][0] for k in columns)} |", "|" + "---|" * len(columns)]
+    lines += [f"| {' | '.join(_cell_text(r, k) for k in columns)} |" for r in rows]
     t, q, e, c = m["timing"], m["train"], m["eval"], m["classifier"]
     notes = [
         "",
@@ -95,10 +115,40 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"{e['seed']}) scored by a small CNN trained on {q['data']} (held-out accuracy {c['heldout_accuracy']:.1%}): "
         f"classifier-FD = Fréchet distance of its {c['config']['feature_dim']}-d penultimate features against {e['num_real']} real "
         "images (NOT Inception FID; comparable only within this table); class accuracy = share of samples classified "
-        f"as the class they were asked for. For reference, {e['samples']} other real images score classifier-FD "
-        f"{e['real_scores']['classifier_fd']:.2f} and class accuracy {e['real_scores']['class_accuracy']:.1%}.",
+        f"as the class they were asked for. Floor: {e.get('floor', str(e['samples']) + ' other real images')} score "
+        f"classifier-FD {e['real_scores']['classifier_fd']:.2f} and class accuracy {e['real_scores']['class_accuracy']:.1%}.",
     ]
-    return "\n".join(lines + notes) + "\n"
+    if any("at_step" in r for r in rows):
+        notes.append(f"(7) Quality against optimizer steps: the same scores for the EMA checkpoint at the step count the unrouted "
+                     f"cell of the backbone trains (the trainer saves one every {e['every']} steps; held-out EMA loss of every "
+                     "checkpoint in quality_vs_steps.png), so routed and unrouted cells are also compared after equal updates.")
+    if any(r.get("seeds", 1) > 1 for r in rows):
+        notes.append(f"With {max(r['seeds'] for r in rows)} seeds, a value reads mean ± the half-width of its 95% Student-t interval "
+                     "(n - 1 degrees of freedom); table.csv and table.json hold the std too.")
+    return "\n".join(lines + notes + comparison(rows)) + "\n"
+
+
+def comparison(rows: list[dict]) -> list[str]:
+    """Routed minus unrouted per backbone, with Welch 95% intervals and a verdict (lines of markdown)."""
+    compared = [r for r in rows if any(k.endswith("_verdict") for k in r)]
+    if not compared:
+        return []
+    keys = [k for k in COMPARED if any(f"{k}_verdict" in r for r in compared)]
+    lines = ["", "Routed minus unrouted (same backbone), mean difference [95% Welch interval], and the verdict: wins / loses "
+             "when the interval excludes 0, else ties.", "",
+             "| backbone | routing | " + " | ".join(COLUMNS[k][0].replace(" (5)", "").replace(" (6)", "") for k in keys) + " |",
+             "|---|---|" + "---|" * len(keys)]
+    for r in compared:
+        cells = []
+        for k in keys:
+            if f"{k}_verdict" not in r:
+                cells.append("n/a")
+                continue
+            fmt = "{:+.2f}" if "fd" in k else ("{:+.1%}" if "accuracy" in k else "{:+.4f}")
+            cells.append(f"{fmt.format(r[f'{k}_diff'])} [{fmt.format(r[f'{k}_diff_low'])}, {fmt.format(r[f'{k}_diff_high'])}] "
+                         f"{r[f'{k}_verdict']}")
+        lines.append(f"| {r['backbone']} | {r['routing']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def write_tables(rows: list[dict], meta: dict, out: Path) -> str:

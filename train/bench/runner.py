@@ -1,6 +1,7 @@
 """The cross-backbone table, end to end: cells, cost, quality, then the report (`python -m train.bench`).
 
-    python -m train.bench                   # default mode: the table in docs/benchmarks.md
+    python -m train.bench                   # default mode: the digits table in docs/benchmarks.md
+    python -m train.bench bench=fashion     # Fashion-MNIST at 256 tokens, 3 seeds, held-out scores, equal compute
     python -m train.bench bench=quick       # the whole 3 x 3 grid in under 10 minutes on 2 CPU cores
     python -m train.bench bench=smoke       # tiny everything, seconds (tests)
     python -m train.bench grid.backbones=[dit,rwkv] train.minutes=10 seeds=[0,1] name=long
@@ -13,7 +14,10 @@ and peak CUDA memory.
 
 Quality (cells/<cell>.json): the real Trainer for an equal wall-clock budget per cell on `data`, then the
 EMA model's EDM loss on a fixed batch with fixed sigma and noise, and class-conditional Heun samples scored
-by train/metrics/classifier.py (classifier-FD and class accuracy; not Inception FID).
+by train/metrics/classifier.py (classifier-FD and class accuracy; not Inception FID). A dataset with a test split
+(Fashion-MNIST) is scored against the test split, with the train-vs-test floor beside it. `train.steps` turns the
+wall-clock budget into equal compute as steps (routed cells: x their measured speedup); `eval.every` and
+`eval.at_steps` add quality against optimizer steps from the checkpoints the trainer writes on the way.
 
 Outputs in bench_runs/<name>/: table.md, table.csv, table.json, loss_vs_time.png, bars.png,
 samples/<cell>.png and runs/<cell>/ (the trainer's metrics.jsonl). cost.json and each cell JSON are written
@@ -36,10 +40,11 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from routing import ConfigError
-from train.bench.cells import compose_cell
+from train.bench.cells import grid_cells, set_step_budget
+from train.bench.cost import speedups
 from train.bench.cost import measure_costs
-from train.bench.plots import plot_bars, plot_loss_curves
-from train.bench.quality import Evaluation, train_and_score, warm_up
+from train.bench.plots import plot_bars, plot_loss_curves, plot_quality_curves
+from train.bench.quality import Evaluation, held_out_split, train_and_score, warm_up
 from train.bench.report import table_rows, write_tables
 from train.bench.store import reuse_or_compute
 from train.bench.timing import now
@@ -69,8 +74,10 @@ def run(bench: DictConfig) -> list[dict]:
     grid, seeds = bench.grid, list(bench.seeds)
     if not grid.backbones or not grid.routings or not seeds:
         raise ConfigError("grid.backbones, grid.routings and seeds must each name at least one entry.")
-    cells = [compose_cell(bench, b, r, s) for b in grid.backbones for r in grid.routings for s in seeds]
+    cells = grid_cells(bench)
     pairs = [c for c in cells if c.seed == seeds[0]]
+    if not cells:
+        raise ConfigError("grid.skip removes every pair of the grid; keep at least one backbone-routing pair.")
     cfg = pairs[0].cfg
     dataset = build_dataset(cfg.data, cfg.edm.sigma_data)
     timing_shape = (dataset.shape[0], bench.timing.resolution, bench.timing.resolution)
@@ -87,11 +94,21 @@ def run(bench: DictConfig) -> list[dict]:
     if max(params.values()) > (1 + PARAM_SPREAD) * min(params.values()):
         log.warning(f"parameter counts differ by more than {PARAM_SPREAD:.0%}; adjust sizes.<backbone> for a matched comparison.")
 
+    # Step budgets (train.steps): equal compute from the measured speedups, when not a wall-clock budget.
+    steps = bench.train.get("steps")
+    for cell in cells:
+        budget = steps.get(cell.backbone) if steps is not None else None
+        set_step_budget(cell, budget, speedups(cost["cells"].get(f"{cell.backbone}-none"), cost["cells"][cell.key])["measured_speedup"])
+
     # Quality: one unit per training run.
     clf_cfg = ClassifierConfig(**{f.name: bench.classifier[f.name] for f in fields(ClassifierConfig)})
-    classifier, clf_meta = load_or_train(dataset, clf_cfg, bench.classifier.cache_dir)
-    log.info(f"classifier for {dataset.name} {tuple(dataset.shape)}: held-out accuracy {clf_meta['heldout_accuracy']:.1%}")
-    evaluation = Evaluation(bench, cfg, dataset, classifier)
+    test = held_out_split(cfg, cfg.edm.sigma_data)  # Fashion-MNIST's test split; None for digits and shapes
+    classifier, clf_meta = load_or_train(dataset, clf_cfg, bench.classifier.cache_dir, test)
+    log.info(f"classifier for {dataset.name} {tuple(dataset.shape)}: held-out accuracy {clf_meta['heldout_accuracy']:.1%} "
+             f"({clf_meta['accuracy_on']})")
+    evaluation = Evaluation(bench, cfg, dataset, classifier, test)
+    log.info(f"floor ({evaluation.floor}): classifier-FD {evaluation.real_scores['classifier_fd']:.2f}, "
+             f"class accuracy {evaluation.real_scores['class_accuracy']:.1%}")
     eval_settings = {"eval": OmegaConf.to_container(bench.eval), "classifier": clf_meta, "device": bench.device, "threads": bench.threads}
     runs: dict[str, list[dict]] = {c.key: [] for c in pairs}
     warm = functools.cache(lambda: warm_up(pairs, dataset.shape, dataset.num_classes, bench))  # once, if any cell trains
@@ -103,7 +120,11 @@ def run(bench: DictConfig) -> list[dict]:
     # Table and plots.
     rows = table_rows(pairs, cost["cells"], runs)
     t = bench.train
-    budget = f"{t.minutes:g} min" if t.minutes else f"{t.max_steps} steps"
+    if t.get("steps") is not None:
+        budget = "equal compute: " + ", ".join(f"{b} {n} steps unrouted" for b, n in t.steps.items() if b in grid.backbones) + \
+                 " (routed cells: x their measured speedup)"
+    else:
+        budget = f"{t.minutes:g} min" if t.minutes else f"{t.max_steps} steps"
     loads = [cost["load_average"][0]] + [q["load_average"][0] for qs in runs.values() for q in qs]
     meta = {
         "command": " ".join(["python -m train.bench", *sys.argv[1:]]), "date": now(),
@@ -115,15 +136,21 @@ def run(bench: DictConfig) -> list[dict]:
                   "tokens": dataset.shape[1] * dataset.shape[2] // cfg.backbone.patch_size**2,
                   "seeds": seeds},
         "eval": {"loss_batch": len(evaluation.y), "reference": evaluation.reference, "samples": len(evaluation.sample_labels),
-                 "num_real": len(evaluation.real_features), "real_scores": evaluation.real_scores,
+                 "num_real": len(evaluation.real_features), "real_scores": evaluation.real_scores, "floor": evaluation.floor,
+                 "every": bench.eval.get("every") or 0, "at_steps": dict(bench.eval.get("at_steps") or {}),
                  **{k: bench.eval[k] for k in ("steps", "guidance", "seed")}},
         "classifier": clf_meta,
         "seconds_this_invocation": time.perf_counter() - began,
     }
     text = write_tables(rows, meta, out)
     plot_loss_curves({(c.backbone, c.routing): [q["curve"] for q in runs[c.key]] for c in pairs}, out / "loss_vs_time.png", budget)
+    if any(q.get("quality_curve", {}).get("step") for qs in runs.values() for q in qs):
+        plot_quality_curves({(c.backbone, c.routing): [q.get("quality_curve") for q in runs[c.key]] for c in pairs},
+                            out / "quality_vs_steps.png")
     plot_bars(rows, out / "bars.png", {"efficiency": "efficiency (measured / FLOP-ideal)", "ema_loss": "EMA loss (lower is better)",
-                                       "classifier_fd": "classifier-FD (lower is better)", "class_accuracy": "class accuracy"})
+                                       "classifier_fd": "classifier-FD (lower is better)", "class_accuracy": "class accuracy",
+                                       **({"at_step_classifier_fd": "classifier-FD at the matched step"}
+                                          if any("at_step_classifier_fd" in r for r in rows) else {})})
     print(text)
     log.info(f"wrote {out}/table.md, table.csv, table.json, loss_vs_time.png, bars.png in {time.perf_counter() - began:.0f} s")
     return rows

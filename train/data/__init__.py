@@ -1,4 +1,4 @@
-"""Data: the dataset registry, embedded and latent datasets, image files, and latent caching.
+"""Data: the dataset registry, embedded datasets, Fashion-MNIST, latent datasets, image files, and latent caching.
 
 Every dataset offers num_classes, shape (C, H, W), __len__,
 get(indices, generator) -> (x in model space, labels) and to_images(x) -> [0, 1] images for grids."""
@@ -20,8 +20,12 @@ def build_dataset(cfg_data: DictConfig, sigma_data: float):
         from train.data.embedded import shapes
 
         return shapes(resolution=cfg_data.resolution, num_images=cfg_data.num_images, seed=cfg_data.seed)
+    if name == "fashion_mnist":
+        from train.data.fashion_mnist import fashion_mnist
+
+        return fashion_mnist(path=cfg_data.path, split=cfg_data.split, resolution=cfg_data.resolution)
     if name == "latents":
         from train.data.latents import build
 
         return build(cfg_data, sigma_data)
-    raise ConfigError(f"data.name='{name}' is unknown; choose data=digits, data=shapes or data=latents.")
+    raise ConfigError(f"data.name='{name}' is unknown; choose data=digits, data=shapes, data=fashion_mnist or data=latents.")
