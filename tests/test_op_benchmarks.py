@@ -19,3 +19,17 @@ def test_wkv_and_scan_benchmarks_run_on_the_cpu(monkeypatch, capsys):
     scan.main()
     out = capsys.readouterr().out
     assert "max |bi_wkv (chunked) - reference|" in out and "sequential reference / ours" in out
+
+
+def test_sampling_study_rules_parse_and_refuse_bad_routing_guidance():
+    import pytest
+
+    from routing import ConfigError
+    from train.bench.sampling import rules
+
+    names = [r.name for r in rules([0, 0.5], [2.0], ["2,0,0.5"])]
+    assert names == ["plain", "routed 0.5", "CFG 2", "RG 2 (0/0.5)"]  # ratio 0 is the plain rule itself
+    with pytest.raises(ConfigError, match="gamma_1 <= gamma_2"):
+        rules([], [], ["2,0.7,0.3"])
+    with pytest.raises(ConfigError, match="scale,gamma_1,gamma_2"):
+        rules([], [], ["2"])

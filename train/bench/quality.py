@@ -128,7 +128,8 @@ def train_and_score(cell: Cell, evaluation: Evaluation, out: Path) -> dict:
     seconds = metrics[-1]["seconds"]
     at_step = (evaluation.cfg.get("at_steps") or {}).get(cell.backbone)
     return {
-        **scores, **score_checkpoints(trainer.ema.module, run_dir / "checkpoints", evaluation, metrics, at_step),
+        **scores, **score_checkpoints(trainer.ema.module, run_dir / "checkpoints", evaluation, metrics, at_step,
+                                      final=(trainer.step, scores)),
         "cell": cell.name, "backbone": cell.backbone, "routing": cell.routing, "seed": cell.seed,
         "train_steps": trainer.step, "train_seconds": seconds, "stalled_seconds": stalled_seconds([m["seconds"] for m in metrics]),
         "images_per_s": trainer.step * cell.cfg.trainer.batch_size / seconds,
@@ -137,7 +138,8 @@ def train_and_score(cell: Cell, evaluation: Evaluation, out: Path) -> dict:
     }
 
 
-def score_checkpoints(ema: nn.Module, root: Path, evaluation: Evaluation, metrics: list[dict], at_step: int | None) -> dict:
+def score_checkpoints(ema: nn.Module, root: Path, evaluation: Evaluation, metrics: list[dict], at_step: int | None,
+                      final: tuple[int, dict] | None = None) -> dict:
     """Quality against optimizer steps: the held-out EMA loss of every checkpoint the trainer wrote (every
     `eval.every` steps), and the full sample scores at `at_step`, a step count every cell of the backbone
     reaches, so routed and unrouted cells are also compared after the same number of updates.
@@ -154,7 +156,8 @@ def score_checkpoints(ema: nn.Module, root: Path, evaluation: Evaluation, metric
         curve["step"].append(step)
         curve["seconds"].append(seconds.get(step))
         if step == at_step:
-            scores, _ = evaluation.score(net)
+            # The unrouted cell ends at its matched step: its final scores are the same model's, so reuse them.
+            scores = final[1] if final and final[0] == step else evaluation.score(net)[0]
             at.update({f"at_step_{k}": v for k, v in scores.items()})
             curve["ema_loss"].append(scores["ema_loss"])
         else:
