@@ -1,6 +1,6 @@
 """Fine-tune a tiny Flux-shaped transformer with TREAD routing and LoRA, end to end on a CPU.
 
-    python docs/finetune_tiny_flux.py --steps 30 --out /tmp/tiny-flux
+    python docs/finetune_tiny_flux.py --steps 30 --out runs/tiny-flux
 
 Without --pretrained, a tiny FluxTransformer2DModel with random weights is written to OUT/pretrained first and
 loaded back from there, exactly as a downloaded FLUX.1 folder would be. The data are fixed random latents

@@ -62,3 +62,22 @@ def test_diffmoe_trains_with_logged_auxiliary_losses_and_samples_at_a_capacity_t
     result = run_module("train.sample", str(run), "--steps", "2", "--per-class", "1", "--moe-target", "1.0",
                         "--out", str(tmp_path / "moe.png"))
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("command", ["train.sample", "train.fid"])
+@pytest.mark.parametrize("flags, named", [
+    (["--route-ratio", "1.5"], "--route-ratio"),
+    (["--rg-scale", "2", "--rg-gamma1", "0.8", "--rg-gamma2", "0.3"], "--rg-gamma1"),
+    (["--rg-gamma2", "abc"], "--rg-gamma2"),
+    (["--moe-threshold", "0.5", "--moe-target", "1"], "--moe-target"),
+    (["--moe-target", "-1"], "--moe-target"),
+])
+def test_sampling_rule_flags_are_refused_in_one_sentence(command, flags, named, capsys, tmp_path):
+    import importlib
+
+    parse_args = importlib.import_module(command).parse_args
+    positional = ["runs/x"] if command == "train.sample" else ["--images", str(tmp_path), "--ref", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([*positional, *flags])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and named in err and "Traceback" not in err

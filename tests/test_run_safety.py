@@ -188,8 +188,9 @@ def test_divergence_skips_steps_stops_and_names_the_last_good_checkpoint(tmp_pat
     assert len(losses) == 2 and all(np.isfinite(losses))
 
 
-def test_a_single_bad_step_is_skipped_without_touching_weights_or_ema(tmp_path):
-    trainer = Trainer(cfg(tmp_path / "run", "trainer.max_steps=3"))
+@pytest.mark.parametrize("grad_clip", ["null", "1.0"])  # with clipping the guard reads the norm the clip measured
+def test_a_single_bad_step_is_skipped_without_touching_weights_or_ema(tmp_path, grad_clip):
+    trainer = Trainer(cfg(tmp_path / "run", "trainer.max_steps=3", f"trainer.grad_clip={grad_clip}"))
     poison_from(trainer, 1)
     trainer.train_step()  # step 1: fine
     weights = {k: v.clone() for k, v in trainer.net.state_dict().items()}

@@ -116,3 +116,30 @@ def _can_write(folder: Path) -> bool:
     import os
 
     return os.access(folder, os.W_OK | os.X_OK)
+
+
+def add_sampling_rule_flags(parser: argparse.ArgumentParser, route_ratio: float = 0.0, rg_scale: float = 1.0,
+                            rg_gamma2: float = 0.5) -> None:
+    """The flags train.sample and train.fid share: routed inference, routing guidance, DiffMoE capacity."""
+    parser.add_argument("--route-ratio", type=bounded(float, 0, 0.99, example="--route-ratio 0.5"), default=route_ratio,
+                        help="routed inference: force routing at this selection ratio over the trained routes (0 = off)")
+    parser.add_argument("--rg-scale", type=bounded(float, 0, 100, example="--rg-scale 2"), default=rg_scale,
+                        help="routing guidance scale w (1 = off)")
+    parser.add_argument("--rg-gamma1", type=bounded(float, 0, 0.99, example="--rg-gamma1 0.25"), default=None,
+                        help="routing guidance: ratio of the strong branch (fewer tokens bypass; default unrouted)")
+    parser.add_argument("--rg-gamma2", type=bounded(float, 0, 0.99, example="--rg-gamma2 0.5"), default=rg_gamma2,
+                        help="routing guidance: ratio of the weak branch")
+    parser.add_argument("--rg-uncond", action="store_true", help="both routing-guidance branches unconditional (the released sample_tread)")
+    parser.add_argument("--moe-threshold", type=bounded(float, 0, 1, example="--moe-threshold 0.5"),
+                        help="DiffMoE: one capacity-predictor threshold for every expert")
+    parser.add_argument("--moe-target", type=bounded(float, 0.01, example="--moe-target 1.0"),
+                        help="DiffMoE: average activated experts per token")
+
+
+def check_sampling_rule_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, in one sentence, flag combinations that the sampling rules cannot honour."""
+    if args.rg_scale != 1 and args.rg_gamma1 is not None and args.rg_gamma1 > args.rg_gamma2 and not getattr(args, "rg_bad", None):
+        parser.error(f"--rg-gamma1 {args.rg_gamma1} must not exceed --rg-gamma2 {args.rg_gamma2}: the strong branch processes "
+                     "more tokens (e.g. --rg-gamma1 0.25 --rg-gamma2 0.75)")
+    if args.moe_threshold is not None and args.moe_target is not None:
+        parser.error("give --moe-threshold or --moe-target, not both")

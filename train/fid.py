@@ -25,7 +25,7 @@ import numpy as np
 from routing import ConfigError
 from train.build import objective_name
 from train.checkpoint import load_run
-from train.cli import ArgumentParser, bounded, existing, friendly_errors, writable_file
+from train.cli import ArgumentParser, add_sampling_rule_flags, bounded, check_sampling_rule_flags, existing, friendly_errors, writable_file
 from train.metrics.fid import FIDConfig, folder_features, reference_statistics, sample_features
 from train.metrics.frechet import feature_statistics, frechet_distance
 from train.metrics.inception import load_inception
@@ -48,19 +48,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=bounded(int, 1, example="--batch-size 64"), default=defaults.batch_size)
     parser.add_argument("--seed", type=bounded(int, 0, example="--seed 0"), default=defaults.seed)
     parser.add_argument("--objective", choices=("edm", "flow"), help="refuse the checkpoint unless it was trained with this objective")
-    parser.add_argument("--route-ratio", type=float, default=defaults.route_ratio, help="routed inference ratio (0 = off)")
-    parser.add_argument("--rg-scale", type=float, default=defaults.rg_scale, help="routing guidance w (1 = off)")
-    parser.add_argument("--rg-gamma1", type=float, default=defaults.rg_gamma1, help="routing guidance: strong branch's ratio")
-    parser.add_argument("--rg-gamma2", type=float, default=defaults.rg_gamma2, help="routing guidance: weak branch's ratio")
-    parser.add_argument("--rg-uncond", action="store_true", help="both routing-guidance branches unconditional")
-    parser.add_argument("--moe-threshold", type=float, help="DiffMoE: one capacity threshold for every expert")
-    parser.add_argument("--moe-target", type=float, help="DiffMoE: average activated experts per token")
+    add_sampling_rule_flags(parser, defaults.route_ratio, defaults.rg_scale, defaults.rg_gamma2)
     parser.add_argument("--out", type=writable_file, help="JSON file for the result (default: <checkpoint>/fid.json with --checkpoint)")
     args = parser.parse_args(argv)
     if args.save_stats is None and args.ref is None:
         parser.error("--ref is required unless --images and --save-stats are given")
     if args.save_stats is not None and args.images is None:
         parser.error("--save-stats needs --images")
+    check_sampling_rule_flags(parser, args)
     return args
 
 

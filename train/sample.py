@@ -21,7 +21,7 @@ from routing import ConfigError
 from routing.router import count_flops
 from train.build import objective_name
 from train.checkpoint import load_run
-from train.cli import ArgumentParser, bounded, friendly_errors, writable_file
+from train.cli import ArgumentParser, add_sampling_rule_flags, bounded, check_sampling_rule_flags, friendly_errors, writable_file
 from train.grid import grid_labels, save_grid
 
 
@@ -35,23 +35,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=bounded(int, 0, example="--seed 0"), default=0)
     parser.add_argument("--per-class", type=bounded(int, 1, 1024, example="--per-class 8"), default=8, help="samples per class (one grid row per class)")
     parser.add_argument("--classes", type=int, nargs="*", help="class ids to sample (default: all)")
-    parser.add_argument("--route-ratio", type=float, default=0.0,
-                        help="routed inference: force routing at this selection ratio over the trained routes (0 = off)")
-    parser.add_argument("--rg-scale", type=float, default=1.0, help="routing guidance scale w (1 = off)")
-    parser.add_argument("--rg-gamma1", type=float, default=None, help="routing guidance: ratio of the strong branch (fewer tokens bypass)")
-    parser.add_argument("--rg-gamma2", type=float, default=0.5, help="routing guidance: ratio of the weak branch")
-    parser.add_argument("--rg-uncond", action="store_true", help="both routing-guidance branches unconditional (the released sample_tread)")
+    add_sampling_rule_flags(parser)
     parser.add_argument("--rg-bad", help="routing guidance: a weaker checkpoint as the weak branch (autoguidance-style)")
-    parser.add_argument("--moe-threshold", type=float, help="DiffMoE: one capacity-predictor threshold for every expert")
-    parser.add_argument("--moe-target", type=float, help="DiffMoE: average activated experts per token")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=writable_file, help="PNG path (default: <checkpoint>/samples_w<guidance>_seed<seed>.png)")
     args = parser.parse_args(argv)
-    for flag in ("steps", "per_class"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
-    if not 0 <= args.route_ratio < 1:
-        parser.error(f"--route-ratio must be in [0, 1) (the fraction of tokens that bypass each route), got {args.route_ratio}")
+    check_sampling_rule_flags(parser, args)
     return args
 
 

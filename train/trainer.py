@@ -222,21 +222,23 @@ class Trainer:
                 acc.backward(loss)
                 bad = bad | ~torch.isfinite(loss.detach())
                 if acc.sync_gradients:
-                    skip = self._non_finite(bad)  # all processes agree, so DDP stays in lockstep
-                if acc.sync_gradients and cfg.trainer.grad_clip and not skip:
-                    acc.clip_grad_norm_(self.net.parameters(), cfg.trainer.grad_clip)
+                    # Clipping measures the gradient norm anyway; the guard reuses it instead of a second pass.
+                    norm = acc.clip_grad_norm_(self.net.parameters(), cfg.trainer.grad_clip) if cfg.trainer.grad_clip else None
+                    skip = self._non_finite(bad, norm)  # all processes agree, so DDP stays in lockstep
                 if not skip:
                     self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
             losses.append(diffusion.detach())
             aux_sums = {k: aux_sums.get(k, 0) + v.detach() / cfg.trainer.grad_accum for k, v in aux.items()}
         self.step += 1
-        self.last_aux = {k: acc.reduce(v, reduction="mean").item() for k, v in aux_sums.items()}
+        # One reduce and one host read for the loss and every auxiliary loss together.
+        reduced = acc.reduce(torch.stack([torch.stack(losses).mean(), *aux_sums.values()]), reduction="mean").tolist()
+        self.last_aux = dict(zip(aux_sums, reduced[1:]))
         self.skipped_steps += skip
         self.bad_streak = self.bad_streak + 1 if skip else 0
         if not skip:  # a skipped step leaves the weights as they were; the EMA skips it too
             self.ema.update(self.acc.unwrap_model(self.net), step=self.step)
-        return acc.reduce(torch.stack(losses).mean(), reduction="mean").item()
+        return reduced[0]
 
     def _load_batch(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Clean images and labels of this process's micro-batch at `start` of step `step`: a pure function of the key."""
@@ -253,14 +255,15 @@ class Trainer:
         following = (self.step + 1, rank * b) if last else (self.step, ((micro + 1) * procs + rank) * b)
         return self.prefetcher.get((self.step, start), following)
 
-    def _non_finite(self, bad: torch.Tensor) -> bool:
+    def _non_finite(self, bad: torch.Tensor, norm: torch.Tensor | None = None) -> bool:
         """True when the loss (`bad`) or, without an fp16 loss scaler (which skips overflowing steps itself),
-        the gradient is non-finite on any process. One host sync per optimizer step; the loss reduce that
-        follows syncs anyway."""
+        the gradient is non-finite on any process; `norm`, the total gradient norm when clipping measured it.
+        One host sync per optimizer step; the loss reduce that follows syncs anyway."""
         if self.acc.scaler is None:
-            grads = [p.grad for p in self.net.parameters() if p.grad is not None]
-            if grads:
-                bad = bad | ~torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())
+            if norm is None:
+                grads = [p.grad for p in self.net.parameters() if p.grad is not None]
+                norm = torch.stack(torch._foreach_norm(grads)).sum() if grads else torch.zeros((), device=bad.device)
+            bad = bad | ~torch.isfinite(norm)
         if self.acc.num_processes > 1:
             bad = self.acc.reduce(bad.float().reshape(1), reduction="sum") > 0
         return bool(bad)

@@ -179,7 +179,6 @@ class RoutedTransformer(nn.Module):
 
     family: str
     model_class: str
-    patch: int  # latent pixels per token side
 
     def __init__(self, model: nn.Module, router: Router | None = None):
         super().__init__()
@@ -192,6 +191,11 @@ class RoutedTransformer(nn.Module):
     @property
     def depth(self) -> int:
         return len(self.steps)
+
+    @property
+    def patch(self) -> int:
+        """Latent pixels per token side: the model's own patch size (Flux, which packs 2x2 itself, overrides it)."""
+        return self.model.config.patch_size
 
     # Family hooks.
     def build_steps(self) -> list[Step]:

@@ -20,10 +20,6 @@ from backbones.adapters.common import RoutedTransformer, Step, Stream, run_block
 class DiTAdapter(RoutedTransformer):
     family, model_class = "dit", "DiTTransformer2DModel"
 
-    @property
-    def patch(self) -> int:
-        return self.model.config.patch_size
-
     def conditioning(self, cond, kwargs):
         if torch.is_tensor(cond):
             cond = {"class_labels": cond}

@@ -22,10 +22,6 @@ class PixArtAdapter(RoutedTransformer):
 
     family, model_class = "pixart", "PixArtTransformer2DModel"
 
-    @property
-    def patch(self) -> int:
-        return self.model.config.patch_size
-
     def build_steps(self):
         m = self.model
 

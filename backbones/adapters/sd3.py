@@ -20,10 +20,6 @@ class SD3Adapter(RoutedTransformer):
 
     family, model_class = "sd3", "SD3Transformer2DModel"
 
-    @property
-    def patch(self) -> int:
-        return self.model.config.patch_size
-
     def build_steps(self):
         m = self.model
 
