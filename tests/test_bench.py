@@ -123,3 +123,34 @@ def test_smoke_grid_writes_a_full_table_and_a_rerun_reuses_every_cell(tmp_path):
     log = second.stdout + second.stderr
     assert log.count("reused cell") == 9 and "reused cost measurements" in log
     assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes
+
+
+def test_moe_table_matches_activated_parameters_and_keeps_final_checkpoints(tmp_path):
+    # DiffMoE and its baselines as rows of one table: dit is the dense baseline, tc and ec are variants of the diffmoe family.
+    out = tmp_path / "bench"
+    done = run_module("train.bench", "bench=smoke", f"out_dir={out}", "grid.backbones=[dit,tc,ec,diffmoe]",
+                      "grid.routings=[none,random]", "eval.keep_final=true", timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {(r["backbone"], r["routing"]): r for r in json.loads((out / "table.json").read_text())["rows"]}
+    assert set(rows) == {(b, r) for b in ("dit", "tc", "ec", "diffmoe") for r in ("none", "random")}
+    dense = rows[("dit", "none")]
+    assert dense["activated_params"] == dense["params"] == dense["activated_params_inference"]
+    for name in ("tc", "ec", "diffmoe"):
+        row = rows[(name, "none")]
+        assert row["params"] > dense["params"]  # 4 experts in every other block
+        # One expert per token, as the dense MLP; only the gate (and DiffMoE's capacity predictor) comes on top.
+        assert dense["activated_params"] < row["activated_params"] < 1.1 * dense["activated_params"]
+        assert row["ideal_speedup"] == 1 and rows[(name, "random")]["ideal_speedup"] > 1
+    # Top-1 token choice and expert choice at C = 1 give every token one expert at sampling too; DiffMoE's is dynamic.
+    assert rows[("tc", "none")]["experts_per_token_inference"] == 1.0
+    assert rows[("ec", "none")]["experts_per_token_inference"] == 1.0
+    assert rows[("diffmoe", "none")]["experts_per_token_inference"] >= 0
+    text = (out / "table.md").read_text()
+    assert "activated params / token (8)" in text and "experts / token, sampling (8)" in text
+    # eval.keep_final: the final checkpoint of every cell stays, loadable for more sampling; nothing else is kept.
+    from train.checkpoint import load_run
+
+    for cell in ("tc-random-s0", "diffmoe-none-s0"):
+        kept = sorted((out / "runs" / cell / "checkpoints").glob("step_*"))
+        assert [p.name for p in kept] == ["step_0000002"]
+        assert load_run(out / "runs" / cell).step == 2

@@ -33,3 +33,36 @@ def test_sampling_study_rules_parse_and_refuse_bad_routing_guidance():
         rules([], [], ["2,0.7,0.3"])
     with pytest.raises(ConfigError, match="scale,gamma_1,gamma_2"):
         rules([], [], ["2"])
+
+
+def test_sampling_study_groups_training_seeds_and_compares_objectives(tmp_path):
+    import json
+
+    from conftest import run_module
+    from train.bench import sampling
+
+    runs = []
+    for objective in ("edm", "flow"):
+        out = tmp_path / objective
+        done = run_module("train.bench", "bench=smoke", f"out_dir={out}", "grid.backbones=[dit]", "grid.routings=[random]",
+                          "seeds=[0,1]", "eval.keep_final=true", f"overrides=[\"data.resolution=8\",\"objective={objective}\"]",
+                          timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs += [str(out / "runs" / f"dit-random-s{seed}") for seed in (0, 1)]
+    sampling.main([*runs, "--gammas", "0.5", "--cfg", "2", "--rg", "2,0,0.5", "2,0,0.5,uncond", "--steps", "2", "--per-class", "2",
+                   "--num-real", "16", "--cache-dir", str(tmp_path / "edm" / "classifier"), "--threads", "1",
+                   "--out", str(tmp_path / "study")])
+    table = json.loads((tmp_path / "study" / "table.json").read_text())
+    agg = {(a["group"], a["rule"]): a for a in table["aggregate"]}
+    assert {g for g, _ in agg} == {"edm dit-random", "flow dit-random"}
+    assert all(a["runs"] == 2 for a in agg.values())
+    # Network evaluations per image: Heun with 2 steps is 3 for EDM (no correction at sigma = 0) and 4 for flow;
+    # CFG and routing guidance evaluate twice per step, routed inference once.
+    for group, plain in (("edm dit-random", 3), ("flow dit-random", 4)):
+        assert agg[(group, "plain")]["evaluations"] == agg[(group, "routed 0.5")]["evaluations"] == plain
+        assert agg[(group, "CFG 2")]["evaluations"] == agg[(group, "RG 2 (0/0.5)")]["evaluations"] == 2 * plain
+        assert agg[(group, "routed 0.5")]["gflops_per_image"] < agg[(group, "plain")]["gflops_per_image"]
+        assert agg[(group, "RG 2 (0/0.5)")]["gflops_per_image"] < agg[(group, "CFG 2")]["gflops_per_image"]
+        assert "classifier_fd_vs_plain" in agg[(group, "CFG 2")] and "classifier_fd_vs_plain" not in agg[(group, "plain")]
+    assert {c["rule"] for c in table["between_groups"]} == {"plain", "routed 0.5", "CFG 2", "RG 2 (0/0.5)", "RG 2 (0/0.5, uncond)"}
+    assert (tmp_path / "study" / "quality_vs_flops.png").stat().st_size > 0

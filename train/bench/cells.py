@@ -41,15 +41,21 @@ def is_ablation(cfg: DictConfig) -> bool:
 
 
 def compose_cell(bench: DictConfig, backbone: str, routing: str, seed: int) -> Cell:
-    """The real training config (configs/config.yaml) for one cell, with the bench's sizes and budget."""
+    """The real training config (configs/config.yaml) for one cell, with the bench's sizes and budget.
+
+    `backbone` is a row name of the grid: a family (dit, rwkv, ...) or a variant whose `sizes.<name>` names its
+    family, e.g. `tc: {family: diffmoe, kwargs: {moe_mode: token_choice}}` (the MoE table's baselines).
+    """
+    size = OmegaConf.to_container(bench.sizes.get(backbone) or OmegaConf.create({}))
+    family = size.pop("family", backbone)
     try:
-        cfg = compose(config_name="config", overrides=[f"backbone={backbone}", f"routing={routing}", f"data={bench.dataset}",
+        cfg = compose(config_name="config", overrides=[f"backbone={family}", f"routing={routing}", f"data={bench.dataset}",
                                                        *bench.overrides])
     except (MissingConfigException, OverrideParseException, ConfigCompositionException) as err:
         raise ConfigError(f"{str(err).splitlines()[0]} (check grid.backbones, grid.routings, dataset and overrides).") from err
     t = bench.train
     with open_dict(cfg):
-        cfg.backbone = OmegaConf.merge(cfg.backbone, bench.sizes.get(backbone) or {})
+        cfg.backbone = OmegaConf.merge(cfg.backbone, size)
         ablation = is_ablation(cfg)
         cfg.merge_with({
             "seed": seed,
@@ -58,7 +64,9 @@ def compose_cell(bench: DictConfig, backbone: str, routing: str, seed: int) -> C
             "trainer": {"max_minutes": t.minutes, "max_steps": t.max_steps, "batch_size": t.batch_size,
                         "log_every": t.log_every, "sample_every": 0, "cpu": bench.device == "cpu",
                         # Checkpoints every eval.every steps feed the quality-vs-steps curve; all are kept until scored.
-                        "ckpt_every": bench.eval.get("every") or 0, "keep_checkpoints": 10**9},
+                        # eval.keep_final alone needs only the one the trainer writes at the last step.
+                        "ckpt_every": bench.eval.get("every") or (10**9 if bench.eval.get("keep_final") else 0),
+                        "keep_checkpoints": 10**9},
         })
     return Cell(backbone, routing, seed, cfg, ablation)
 

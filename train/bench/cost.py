@@ -8,10 +8,10 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from edm import EDMPrecond
+from backbones.diffmoe import activated_parameters
 from train.bench.cells import Cell
 from train.bench.timing import count_flops, interleaved_medians, now, peak_memory_bytes, saved_activation_bytes, training_step
-from train.build import build_backbone_for
+from train.build import build_backbone_for, objective_for
 
 
 def measure_costs(pairs: list[Cell], bench: DictConfig, shape: tuple[int, ...], num_classes: int) -> dict:
@@ -21,10 +21,13 @@ def measure_costs(pairs: list[Cell], bench: DictConfig, shape: tuple[int, ...], 
     for cell in tqdm(pairs, desc="cost: FLOPs and memory", dynamic_ncols=True):
         torch.manual_seed(cell.seed)  # the same initial weights for every routing of a backbone
         model = build_backbone_for(cell.cfg, shape, num_classes)
-        net = EDMPrecond(model, cell.cfg.edm.sigma_data).to(device).train()
-        step = training_step(net, t.batch, shape, num_classes, device, seed=cell.seed)
+        objective = objective_for(cell.cfg)
+        net = objective.wrap(model).to(device).train()
+        step = training_step(net, t.batch, shape, num_classes, device, seed=cell.seed, objective=objective)
         costs[cell.key] = {
             "params": sum(p.numel() for p in net.parameters()),
+            # Per token in training: all weights but the experts a token does not get (MoE: top_k or C of E).
+            "activated_params": activated_parameters(net),
             "tokens": model.grid[0] * model.grid[1],
             "flops": count_flops(step),
             "saved_activation_bytes": saved_activation_bytes(step.loss, net.parameters()),

@@ -16,10 +16,12 @@ from safetensors.torch import load_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from edm import EDMLoss, EDMPrecond, LogNormalSigma, generate
+from backbones.diffmoe import activated_parameters, moe_layers
+from edm import generate
 from train.bench.cells import Cell
+from train.bench.moe import LoadRecorder
 from train.bench.timing import now, training_step
-from train.build import build_backbone_for
+from train.build import build_backbone_for, objective_for
 from train.data import build_dataset
 from train.grid import grid_labels, save_grid
 from train.metrics.classifier import SmallCNN, features, sample_scores
@@ -44,12 +46,13 @@ class Evaluation:
             else reference_images(cfg, dataset)
         g = torch.Generator().manual_seed(e.seed)
         order = torch.randperm(len(reference), generator=g)
-        # Loss batch: clean images, labels, sigma and noise drawn once, identical for every cell.
+        # Loss batch: clean images, labels, noise levels and noise drawn once, identical for every cell. The
+        # objective (edm or flow, from `overrides`) is the same for every cell of a bench, so its loss is too.
         n = min(e.batch, len(reference))
+        self.objective = objective_for(cfg)
         self.y, self.labels = reference.get(order[:n])
-        self.sigma = LogNormalSigma(cfg.edm.P_mean, cfg.edm.P_std)(n, g)
+        self.t = self.objective.sample_time(n, g)  # EDM: sigma; flow: t
         self.noise = torch.randn(n, *dataset.shape, generator=g)
-        self.loss_fn = EDMLoss(cfg.edm.sigma_data)
         self.sample_labels = grid_labels(dataset.num_classes, e.per_class)
         if test is not None:
             held_out = HeldOutReference(classifier, test, dataset, e.num_real, len(self.sample_labels), e.seed)
@@ -66,19 +69,29 @@ class Evaluation:
         self.floor = f"{len(self.sample_labels)} other real images"
 
     @torch.no_grad()
-    def loss(self, net: EDMPrecond) -> float:
-        """EDM loss of `net` (eval mode: no routing) on the fixed batch with fixed sigma and noise."""
+    def loss(self, net: nn.Module) -> float:
+        """The objective's loss of `net` (eval mode: no routing) on the fixed batch with fixed noise levels and noise."""
         net.eval()
         d = self.device
-        return self.loss_fn(net, self.y.to(d), self.labels.to(d), self.sigma.to(d), self.noise.to(d)).mean().item()
+        return self.objective.loss(net, self.y.to(d), self.labels.to(d), self.t.to(d), self.noise.to(d)).mean().item()
 
     @torch.no_grad()
-    def score(self, net: EDMPrecond) -> tuple[dict[str, float], torch.Tensor]:
-        """EMA loss, classifier-FD and class accuracy of `net` (eval mode: no routing), and its samples."""
+    def score(self, net: nn.Module) -> tuple[dict[str, float], torch.Tensor]:
+        """EMA loss, classifier-FD and class accuracy of `net` (eval mode: no routing), and its samples.
+
+        A network with MoE layers also reports the experts a token activates while sampling (DiffMoE's dynamic
+        capacity at inference) and the parameters that makes per token.
+        """
         loss = self.loss(net)
-        samples = generate(net, self.sample_labels, shape=self.dataset.shape, steps=self.cfg.steps, guidance=self.cfg.guidance,
-                           seed=self.cfg.seed, device=self.device, null_label=self.dataset.num_classes).cpu()
-        return {"ema_loss": loss, **sample_scores(self.classifier, samples, self.sample_labels, self.real_features)}, samples
+        sampled = LoadRecorder(net) if moe_layers(net) else net
+        samples = generate(sampled, self.sample_labels, shape=self.dataset.shape, steps=self.cfg.steps, guidance=self.cfg.guidance,
+                           seed=self.cfg.seed, device=self.device, null_label=self.dataset.num_classes,
+                           objective=self.objective).cpu()
+        scores = {"ema_loss": loss, **sample_scores(self.classifier, samples, self.sample_labels, self.real_features)}
+        if sampled is not net:
+            experts = torch.stack(sampled.loads).mean().item()  # over evaluations, samples, MoE layers and tokens
+            scores |= {"experts_per_token_inference": experts, "activated_params_inference": activated_parameters(net, experts)}
+        return scores, samples
 
 
 def reference_images(cfg: DictConfig, dataset):
@@ -112,8 +125,9 @@ def warm_up(pairs: list[Cell], shape: tuple[int, ...], num_classes: int, bench: 
     """
     device = torch.device(bench.device)
     for cell in tqdm(pairs, desc="quality: warm-up", dynamic_ncols=True):
-        net = EDMPrecond(build_backbone_for(cell.cfg, shape, num_classes), cell.cfg.edm.sigma_data).to(device).train()
-        training_step(net, bench.train.batch_size, shape, num_classes, device, seed=cell.seed)()
+        objective = objective_for(cell.cfg)
+        net = objective.wrap(build_backbone_for(cell.cfg, shape, num_classes)).to(device).train()
+        training_step(net, bench.train.batch_size, shape, num_classes, device, seed=cell.seed, objective=objective)()
 
 
 def train_and_score(cell: Cell, evaluation: Evaluation, out: Path) -> dict:
@@ -144,7 +158,9 @@ def score_checkpoints(ema: nn.Module, root: Path, evaluation: Evaluation, metric
     `eval.every` steps), and the full sample scores at `at_step`, a step count every cell of the backbone
     reaches, so routed and unrouted cells are also compared after the same number of updates.
 
-    The checkpoints are deleted afterwards: a grid of cells would otherwise keep gigabytes of optimizer state.
+    The checkpoints are deleted afterwards (a grid of cells would otherwise keep gigabytes of optimizer state),
+    except the final one with `eval.keep_final`, so the run folder can be sampled again (train.sample,
+    train.bench.sampling).
     """
     seconds = {m["step"]: m["seconds"] for m in metrics}
     net = copy.deepcopy(ema)
@@ -162,7 +178,12 @@ def score_checkpoints(ema: nn.Module, root: Path, evaluation: Evaluation, metric
             curve["ema_loss"].append(scores["ema_loss"])
         else:
             curve["ema_loss"].append(evaluation.loss(net))
-    shutil.rmtree(root, ignore_errors=True)
+    keep = final[0] if final is not None and evaluation.cfg.get("keep_final") else None
+    for ckpt in root.glob("step_*"):
+        if int(ckpt.name.removeprefix("step_")) != keep:
+            shutil.rmtree(ckpt, ignore_errors=True)
+    if keep is None:
+        shutil.rmtree(root, ignore_errors=True)
     return {"quality_curve": curve, **at}
 
 

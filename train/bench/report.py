@@ -12,7 +12,8 @@ from train.bench.stats import summary, verdict, welch_difference
 from train.bench.store import write_json_atomic
 
 QUALITY = ("train_steps", "train_seconds", "images_per_s", "stalled_seconds", "ema_loss", "classifier_fd", "class_accuracy",
-           "at_step_ema_loss", "at_step_classifier_fd", "at_step_class_accuracy")
+           "at_step_ema_loss", "at_step_classifier_fd", "at_step_class_accuracy", "experts_per_token_inference",
+           "activated_params_inference")
 # Columns compared routed vs unrouted, and whether lower is better.
 COMPARED = {"ema_loss": True, "classifier_fd": True, "class_accuracy": False,
             "at_step_ema_loss": True, "at_step_classifier_fd": True, "at_step_class_accuracy": False}
@@ -28,7 +29,8 @@ def table_rows(pairs: list[Cell], costs: dict, runs: dict[str, list[dict]]) -> l
         row = {
             "backbone": cell.backbone, "routing": cell.routing,
             "kind": "ablation" if cell.ablation else ("routed" if cell.cfg.routing.routes else "baseline"),
-            "params": cost["params"], "tokens": cost["tokens"], "gflops_per_step": cost["flops"] / 1e9,
+            "params": cost["params"], "activated_params": cost.get("activated_params", cost["params"]), "tokens": cost["tokens"],
+            "gflops_per_step": cost["flops"] / 1e9,
             **speedups(costs.get(f"{cell.backbone}-none"), cost),
             "step_ms": cost["step_seconds"] * 1e3,
             "saved_activation_mb": cost["saved_activation_bytes"] / 2**20,
@@ -42,6 +44,8 @@ def table_rows(pairs: list[Cell], costs: dict, runs: dict[str, list[dict]]) -> l
                 row[key] = s["mean"]
             if s["std"] is not None:
                 row[f"{key}_std"], row[f"{key}_ci95"] = s["std"], s["ci95"]
+        # Without MoE layers a token activates every weight, at sampling as in training.
+        row.setdefault("activated_params_inference", row["activated_params"])
         if quality and quality[0].get("at_step") is not None:
             row["at_step"] = quality[0]["at_step"]
         base = runs.get(f"{cell.backbone}-none")
@@ -58,7 +62,8 @@ def table_rows(pairs: list[Cell], costs: dict, runs: dict[str, list[dict]]) -> l
 
 COLUMNS = {  # key: (markdown header, format)
     "backbone": ("backbone", "{}"), "routing": ("routing", "{}"), "kind": ("kind", "{}"),
-    "params": ("params", "{:,}"), "gflops_per_step": ("GFLOPs / step (1)", "{:.2f}"),
+    "params": ("params", "{:,}"), "activated_params": ("activated params / token (8)", "{:,.0f}"),
+    "gflops_per_step": ("GFLOPs / step (1)", "{:.2f}"),
     "ideal_speedup": ("FLOP-ideal speedup", "{:.2f}x"), "measured_speedup": ("measured speedup (2)", "{:.2f}x"),
     "efficiency": ("efficiency", "{:.2f}"), "step_ms": ("step ms", "{:.0f}"),
     "saved_activation_mb": ("saved activations MB (3)", "{:.1f}"), "peak_memory_mb": ("peak memory MB", "{:.0f}"),
@@ -67,8 +72,12 @@ COLUMNS = {  # key: (markdown header, format)
     "class_accuracy": ("class accuracy (6)", "{:.1%}"),
     "at_step": ("matched step (7)", "{}"), "at_step_ema_loss": ("EMA loss @ step", "{:.4f}"),
     "at_step_classifier_fd": ("classifier-FD @ step", "{:.2f}"), "at_step_class_accuracy": ("class accuracy @ step", "{:.1%}"),
+    "experts_per_token_inference": ("experts / token, sampling (8)", "{:.2f}"),
+    "activated_params_inference": ("activated params / token, sampling (8)", "{:,.0f}"),
 }
-OPTIONAL = ("at_step", "at_step_ema_loss", "at_step_classifier_fd", "at_step_class_accuracy")  # shown when measured
+OPTIONAL = ("at_step", "at_step_ema_loss", "at_step_classifier_fd", "at_step_class_accuracy",
+            "experts_per_token_inference")  # shown when measured
+MOE = ("activated_params", "experts_per_token_inference", "activated_params_inference")  # shown for tables with MoE rows
 
 
 def _cell_text(row: dict, key: str) -> str:
@@ -84,7 +93,8 @@ def _cell_text(row: dict, key: str) -> str:
 
 def markdown(rows: list[dict], meta: dict) -> str:
     m = meta
-    columns = [k for k in COLUMNS if k not in OPTIONAL or any(k in r for r in rows)]
+    moe = any(r["activated_params"] != r["params"] for r in rows)
+    columns = [k for k in COLUMNS if (k not in OPTIONAL or any(k in r for r in rows)) and (k not in MOE or moe)]
     lines = [f"| {' | '.join(COLUMNS[k][0] for k in columns)} |", "|" + "---|" * len(columns)]
     lines += [f"| {' | '.join(_cell_text(r, k) for k in columns)} |" for r in rows]
     t, q, e, c = m["timing"], m["train"], m["eval"], m["classifier"]
@@ -109,8 +119,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"without a grid on a scan-order backbone). † more than {NOISY:.0%} of the budget went to steps slower than "
         f"{STALL:g}x the cell's median step (another job on the machine): that cell trained fewer steps than it could "
         "have; delete its cells/<cell>.json and re-run the command to redo it.",
-        f"(5) EDM loss of the EMA model (eval mode, unrouted) on a fixed batch of {e['loss_batch']} images "
-        f"({e['reference']}) with fixed sigma and noise, identical for every cell.",
+        f"(5) {q.get('objective', 'edm').upper()} loss of the EMA model (eval mode, unrouted) on a fixed batch of "
+        f"{e['loss_batch']} images ({e['reference']}) with fixed noise levels and noise, identical for every cell.",
         f"(6) {e['samples']} class-conditional samples (Heun, {e['steps']} steps, guidance {e['guidance']}, seed "
         f"{e['seed']}) scored by a small CNN trained on {q['data']} (held-out accuracy {c['heldout_accuracy']:.1%}): "
         f"classifier-FD = Fréchet distance of its {c['config']['feature_dim']}-d penultimate features against {e['num_real']} real "
@@ -122,6 +132,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
         notes.append(f"(7) Quality against optimizer steps: the same scores for the EMA checkpoint at the step count the unrouted "
                      f"cell of the backbone trains (the trainer saves one every {e['every']} steps; held-out EMA loss of every "
                      "checkpoint in quality_vs_steps.png), so routed and unrouted cells are also compared after equal updates.")
+    if moe:
+        notes.append("(8) Parameters a token activates: all of them minus the experts it does not use (gate and capacity "
+                     "predictor included). In training: top_k experts per MoE layer (token choice) or C (expert choice, global "
+                     "pool). While sampling: measured, the mean number of experts per token over every network evaluation of the "
+                     "scored samples (DiffMoE's dynamic capacity from its learned thresholds).")
     if any(r.get("seeds", 1) > 1 for r in rows):
         notes.append(f"With {max(r['seeds'] for r in rows)} seeds, a value reads mean ± the half-width of its 95% Student-t interval "
                      "(n - 1 degrees of freedom); table.csv and table.json hold the std too.")

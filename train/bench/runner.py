@@ -41,13 +41,13 @@ from tqdm.auto import tqdm
 
 from routing import ConfigError
 from train.bench.cells import grid_cells, set_step_budget
-from train.bench.cost import speedups
-from train.bench.cost import measure_costs
+from train.bench.cost import measure_costs, speedups
 from train.bench.plots import plot_bars, plot_loss_curves, plot_quality_curves
 from train.bench.quality import Evaluation, held_out_split, train_and_score, warm_up
 from train.bench.report import table_rows, write_tables
 from train.bench.store import reuse_or_compute
 from train.bench.timing import now
+from train.build import objective_name
 from train.data import build_dataset
 from train.metrics.classifier import ClassifierConfig, load_or_train
 
@@ -63,6 +63,17 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def parse_shard(text) -> tuple[int, int] | None:
+    """`shard=i/n`: this process trains cells i, i + n, i + 2n, ... of the grid (several processes share one out_dir)."""
+    if text is None:
+        return None
+    try:
+        i, n = (int(v) for v in str(text).split("/"))
+    except ValueError:
+        i = n = -1
+    if not 0 <= i < n:
+        raise ConfigError(f"shard={text!r} must be i/n with 0 <= i < n (e.g. shard=0/2 and shard=1/2 in two processes).")
+    return i, n
 
 
 def run(bench: DictConfig) -> list[dict]:
@@ -89,10 +100,11 @@ def run(bench: DictConfig) -> list[dict]:
                      "device": bench.device, "threads": bench.threads}
     cost = reuse_or_compute(out / "cost.json", cost_settings, lambda: measure_costs(pairs, bench, timing_shape, dataset.num_classes),
                             "cost measurements")
-    params = {key: c["params"] for key, c in cost["cells"].items()}
-    log.info("parameters: " + ", ".join(f"{key} {n / 1e6:.3f}M" for key, n in params.items()))
+    # Matched size means matched ACTIVATED parameters: an MoE model holds E experts but a token uses C of them.
+    params = {key: c.get("activated_params", c["params"]) for key, c in cost["cells"].items()}
+    log.info("activated parameters per token: " + ", ".join(f"{key} {n / 1e6:.3f}M" for key, n in params.items()))
     if max(params.values()) > (1 + PARAM_SPREAD) * min(params.values()):
-        log.warning(f"parameter counts differ by more than {PARAM_SPREAD:.0%}; adjust sizes.<backbone> for a matched comparison.")
+        log.warning(f"activated parameter counts differ by more than {PARAM_SPREAD:.0%}; adjust sizes.<backbone> for a matched comparison.")
 
     # Step budgets (train.steps): equal compute from the measured speedups, when not a wall-clock budget.
     steps = bench.train.get("steps")
@@ -112,10 +124,16 @@ def run(bench: DictConfig) -> list[dict]:
     eval_settings = {"eval": OmegaConf.to_container(bench.eval), "classifier": clf_meta, "device": bench.device, "threads": bench.threads}
     runs: dict[str, list[dict]] = {c.key: [] for c in pairs}
     warm = functools.cache(lambda: warm_up(pairs, dataset.shape, dataset.num_classes, bench))  # once, if any cell trains
-    for cell in tqdm(cells, desc="quality: cells", dynamic_ncols=True):
+    shard = parse_shard(bench.get("shard"))
+    mine = [c for i, c in enumerate(cells) if shard is None or i % shard[1] == shard[0]]
+    for cell in tqdm(mine, desc="quality: cells", dynamic_ncols=True):
         settings = {"train": OmegaConf.to_container(cell.cfg, resolve=True), **eval_settings}
         compute = lambda cell=cell: warm() or train_and_score(cell, evaluation, out)  # noqa: E731
         runs[cell.key].append(reuse_or_compute(out / "cells" / f"{cell.name}.json", settings, compute, f"cell {cell.name}"))
+    if shard is not None:
+        log.info(f"shard {shard[0]}/{shard[1]}: its {len(mine)} cells are done; once every shard is, run the command without "
+                 "shard= to write the table (it reuses every cell).")
+        return []
 
     # Table and plots.
     rows = table_rows(pairs, cost["cells"], runs)
@@ -133,7 +151,7 @@ def run(bench: DictConfig) -> list[dict]:
         "load_average": f"{min(loads):.1f} to {max(loads):.1f} (sampled after the cost phase and after each cell)",
         "timing": {**OmegaConf.to_container(bench.timing), "tokens": next(iter(cost["cells"].values()))["tokens"]},
         "train": {"budget": budget, "data": f"{dataset.name} {'x'.join(map(str, dataset.shape))}", "batch_size": t.batch_size,
-                  "tokens": dataset.shape[1] * dataset.shape[2] // cfg.backbone.patch_size**2,
+                  "tokens": dataset.shape[1] * dataset.shape[2] // cfg.backbone.patch_size**2, "objective": objective_name(cfg),
                   "seeds": seeds},
         "eval": {"loss_batch": len(evaluation.y), "reference": evaluation.reference, "samples": len(evaluation.sample_labels),
                  "num_real": len(evaluation.real_features), "real_scores": evaluation.real_scores, "floor": evaluation.floor,

@@ -1,19 +1,25 @@
-"""Sampling rules compared at their cost: routed inference, routing guidance and CFG, for one or more runs.
+"""Sampling rules compared at their cost: routed inference, routing guidance and CFG, over several training seeds.
 
-    python -m train.bench.sampling runs/edm runs/flow --gammas 0 0.25 0.5 0.75 --cfg 1.5 2 \\
-        --rg 1.5,0,0.5 2,0,0.5 2,0.25,0.75 --out docs/sampling
+    python -m train.bench.sampling bench_runs/fashion/runs/dit-random-s{0,1,2} \\
+        bench_runs/fashion-flow/runs/dit-random-s{0,1,2} --gammas 0.25 0.5 0.75 --cfg 1.5 2 \\
+        --rg 1.5,0,0.5 2,0,0.5 2,0.25,0.75 2,0,0.5,uncond --out docs/sampling
 
-For every run (a routed model; several runs, e.g. EDM and flow trained for the same budget, side by side)
-and every rule, samples `--per-class` images per class with the same seed and scores them with the bench's
-classifier (train/metrics/classifier.py: classifier-FD against real images and class accuracy; the test
-split when the dataset has one). Cost is the FLOPs of generating one image with that rule (every network
-evaluation, both guidance branches and the forced routing included), counted by torch.utils.flop_counter.
-Writes table.md and quality_vs_flops.png under --out.
+Every run (a routed model) is sampled with every rule: `--per-class` images per class, the same sampling seed,
+scored by the bench's classifier for the dataset (train/metrics/classifier.py, the one `python -m train.bench`
+cached; classifier-FD against the test split when the dataset has one, and class accuracy). Runs are grouped by
+objective, backbone and routing (the runs of a group are training seeds of one recipe): each group reports the
+mean and 95% t-interval over its runs, and every rule's paired difference from plain sampling of the same run.
+With two groups (e.g. EDM and flow trained for the same budget) it also reports their Welch difference per rule.
+
+Cost per image: the FLOPs of generating one image with the rule (every network evaluation, both guidance
+branches and forced routing included; torch.utils.flop_counter) and the number of network evaluations.
+Writes table.md, table.json and quality_vs_flops.png under --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,24 +32,29 @@ from omegaconf import open_dict  # noqa: E402
 
 from edm import generate, with_routing_guidance  # noqa: E402
 from routing import ConfigError  # noqa: E402
-from routing.router import count_flops  # noqa: E402
+from train.bench.stats import summary, verdict, welch_difference  # noqa: E402
+from train.bench.store import write_json_atomic  # noqa: E402
+from train.bench.timing import count_flops  # noqa: E402
 from train.build import objective_name  # noqa: E402
 from train.checkpoint import load_run  # noqa: E402
-from train.cli import friendly_errors  # noqa: E402
+from train.cli import ArgumentParser, bounded, friendly_errors  # noqa: E402
 from train.data import build_dataset  # noqa: E402
 from train.grid import grid_labels  # noqa: E402
-from train.metrics.classifier import ClassifierConfig, features, load_or_train, sample_scores  # noqa: E402
+from train.metrics.classifier import features, load_or_train, sample_scores  # noqa: E402
+
+SCORES = {"classifier_fd": True, "class_accuracy": False}  # score: lower is better
 
 
 @dataclass
 class Rule:
-    """One way to sample: CFG scale, forced routing ratio, routing guidance (scale, gamma_1, gamma_2)."""
+    """One way to sample: CFG scale, forced routing ratio, routing guidance (scale, gamma_1, gamma_2, unconditional)."""
 
     name: str
     kind: str  # plain | routed | cfg | rg
     cfg: float = 1.0
     route_ratio: float = 0.0
     rg: tuple[float, float, float] | None = None
+    unconditional: bool = False  # routing guidance as released (both branches get the null label)
 
 
 def rules(gammas: list[float], cfg_scales: list[float], rg_specs: list[str]) -> list[Rule]:
@@ -51,13 +62,16 @@ def rules(gammas: list[float], cfg_scales: list[float], rg_specs: list[str]) -> 
     out += [Rule(f"routed {g:g}", "routed", route_ratio=g) for g in gammas if g > 0]
     out += [Rule(f"CFG {w:g}", "cfg", cfg=w) for w in cfg_scales]
     for spec in rg_specs:
+        parts = spec.split(",")
+        unconditional = parts[-1] == "uncond"
         try:
-            w, g1, g2 = (float(v) for v in spec.split(","))
+            w, g1, g2 = (float(v) for v in parts[: 3 if unconditional else None])
         except ValueError:
-            raise ConfigError(f"--rg {spec!r} must be scale,gamma_1,gamma_2 (e.g. 2,0,0.5).") from None
+            raise ConfigError(f"--rg {spec!r} must be scale,gamma_1,gamma_2[,uncond] (e.g. 2,0,0.5).") from None
         if not 0 <= g1 <= g2 < 1:
             raise ConfigError(f"--rg {spec!r} needs 0 <= gamma_1 <= gamma_2 < 1.")
-        out.append(Rule(f"RG {w:g} ({g1:g}/{g2:g})", "rg", rg=(w, g1, g2)))
+        label = f"RG {w:g} ({g1:g}/{g2:g}{', uncond' if unconditional else ''})"
+        out.append(Rule(label, "rg", rg=(w, g1, g2), unconditional=unconditional))
     return out
 
 
@@ -65,9 +79,20 @@ def sample(loaded, rule: Rule, labels: torch.Tensor, steps: int, seed: int, devi
     net, ds, router = loaded.net, loaded.dataset, loaded.net.model.router
     if rule.rg is not None:
         w, g1, g2 = rule.rg
-        net = with_routing_guidance(net, router, w, g1 or None, g2, null_label=ds.num_classes)
+        net = with_routing_guidance(net, router, w, g1 or None, g2, unconditional=rule.unconditional, null_label=ds.num_classes)
     return generate(net, labels, shape=ds.shape, steps=steps, guidance=rule.cfg, seed=seed, device=device,
                     null_label=ds.num_classes, objective=loaded.objective, router=router, route_ratio=rule.route_ratio)
+
+
+def evaluations_per_image(loaded, rule: Rule, steps: int, device) -> int:
+    """Network evaluations that generating one image with `rule` takes (a batched CFG call counts its two halves)."""
+    count = []
+    hook = loaded.net.model.register_forward_pre_hook(lambda module, args: count.append(args[0].shape[0]))
+    try:
+        sample(loaded, rule, torch.zeros(1, dtype=torch.long), steps, 0, device)
+    finally:
+        hook.remove()
+    return sum(count)
 
 
 def reference(loaded):
@@ -76,77 +101,175 @@ def reference(loaded):
     if "split" in data:
         with open_dict(data):
             data.split = "test"
-    return build_dataset(data, loaded.cfg.edm.sigma_data), data.get("split", "training images")
+    return build_dataset(data, loaded.cfg.edm.sigma_data), data.get("split", "training")
+
+
+def group_of(cfg) -> str:
+    """The recipe a run belongs to: its objective, backbone and routing (the seed is what varies inside a group)."""
+    return f"{objective_name(cfg)} {cfg.backbone.name}-{cfg.routing.policy}"
 
 
 def evaluate(run: str, rule_list: list[Rule], args) -> list[dict]:
+    """One row per rule for one run."""
     loaded = load_run(run, args.device)
     ds = loaded.dataset
-    classifier, meta = load_or_train(ds, ClassifierConfig(), args.cache_dir)
     real, where = reference(loaded)
+    classifier, meta = load_or_train(ds, None, args.cache_dir, real if where == "test" else None)
     count = min(len(real), args.num_real)
-    real_images, _ = real.get(torch.arange(count))
-    real_features = features(classifier, real_images)
+    real_features = features(classifier, real.get(torch.randperm(len(real), generator=torch.Generator().manual_seed(0))[:count])[0])
     labels = grid_labels(ds.num_classes, args.per_class)
     rows = []
     for rule in rule_list:
         flops = count_flops(lambda: sample(loaded, rule, labels[:1], args.steps, args.seed, args.device))
         scores = sample_scores(classifier, sample(loaded, rule, labels, args.steps, args.seed, args.device), labels, real_features)
-        rows.append({"run": run, "objective": objective_name(loaded.cfg), "rule": rule.name, "kind": rule.kind,
-                     "gflops_per_image": flops / 1e9, **scores, "reference": f"{count} {where}",
-                     "classifier_accuracy": meta["heldout_accuracy"]})
-        print(f"{run} | {rule.name:18s} | {flops / 1e9:8.3f} GFLOPs/image | classifier-FD {scores['classifier_fd']:.3f} | "
+        rows.append({"run": run, "group": group_of(loaded.cfg), "seed": loaded.cfg.seed, "step": loaded.step, "rule": rule.name,
+                     "kind": rule.kind, "gflops_per_image": flops / 1e9,
+                     "evaluations": evaluations_per_image(loaded, rule, args.steps, args.device), **scores,
+                     "reference": f"{count} {where} images", "classifier_accuracy": meta["heldout_accuracy"]})
+        print(f"{run} | {rule.name:24s} | {flops / 1e9:8.3f} GFLOPs/image | classifier-FD {scores['classifier_fd']:.3f} | "
               f"class accuracy {scores['class_accuracy']:.1%}", flush=True)
     return rows
 
 
-def write(rows: list[dict], out: Path, command: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    lines = ["| run | objective | rule | GFLOPs / image | classifier-FD | class accuracy |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['run']} | {r['objective']} | {r['rule']} | {r['gflops_per_image']:.3f} | {r['classifier_fd']:.3f} | "
-              f"{r['class_accuracy']:.1%} |" for r in rows]
-    lines += ["", f"Command: `{command}`. Reference: {rows[0]['reference']}; classifier held-out accuracy "
-              f"{rows[0]['classifier_accuracy']:.1%}."]
-    (out / "table.md").write_text("\n".join(lines) + "\n")
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+def aggregate(rows: list[dict]) -> list[dict]:
+    """Per (group, rule): mean and 95% interval over runs, and the paired difference from plain sampling."""
+    out = []
+    for group in dict.fromkeys(r["group"] for r in rows):
+        mine = [r for r in rows if r["group"] == group]
+        plain = {r["run"]: r for r in mine if r["kind"] == "plain"}
+        for rule in dict.fromkeys(r["rule"] for r in mine):
+            runs = [r for r in mine if r["rule"] == rule]
+            agg = {"group": group, "rule": rule, "kind": runs[0]["kind"], "runs": len(runs), "steps_trained": runs[0]["step"],
+                   "gflops_per_image": runs[0]["gflops_per_image"], "evaluations": runs[0]["evaluations"]}
+            for key, lower in SCORES.items():
+                s = summary([r[key] for r in runs])
+                agg[key], agg[f"{key}_ci95"] = s["mean"], s["ci95"]
+                if rule != "plain" and all(r["run"] in plain for r in runs):
+                    # Paired: the same run and sampling seed, so the run-to-run spread cancels.
+                    d = summary([r[key] - plain[r["run"]][key] for r in runs])
+                    agg[f"{key}_vs_plain"], agg[f"{key}_vs_plain_ci95"] = d["mean"], d["ci95"]
+                    if d["ci95"] is not None:
+                        agg[f"{key}_vs_plain_verdict"] = verdict({"low": d["mean"] - d["ci95"], "high": d["mean"] + d["ci95"]}, lower)
+            out.append(agg)
+    return out
+
+
+def between_groups(rows: list[dict]) -> list[dict]:
+    """With exactly two groups: second minus first per rule, Welch 95% interval and verdict (lower FD is better)."""
+    groups = list(dict.fromkeys(r["group"] for r in rows))
+    if len(groups) != 2:
+        return []
+    out = []
+    for rule in dict.fromkeys(r["rule"] for r in rows):
+        a, b = ([r for r in rows if r["group"] == g and r["rule"] == rule] for g in groups)
+        if not a or not b:
+            continue
+        line = {"rule": rule, "first": groups[0], "second": groups[1]}
+        for key, lower in SCORES.items():
+            d = welch_difference([r[key] for r in b], [r[key] for r in a])
+            line[key] = d | {"verdict": verdict(d, lower)}
+        out.append(line)
+    return out
+
+
+def _pm(value, half, fmt: str) -> str:
+    return fmt.format(value) + ("" if half is None else f" ± {fmt.format(half)}")
+
+
+def _diff(mean, half, verdict_, fmt: str) -> str:
+    """A signed paired difference, ± its unsigned half-width, and the verdict."""
+    if mean is None:
+        return ""
+    return fmt.format(mean) + ("" if half is None else f" ± {fmt.replace('+', '').format(half)} {verdict_}")
+
+
+def markdown(agg: list[dict], cross: list[dict], command: str, rows: list[dict]) -> str:
+    lines = ["| group | rule | evaluations / image | GFLOPs / image | classifier-FD | class accuracy | FD vs plain (paired) | "
+             "accuracy vs plain (paired) |", "|---|---|---|---|---|---|---|---|"]
+    for a in agg:
+        lines.append(
+            f"| {a['group']} | {a['rule']} | {a['evaluations']} | {a['gflops_per_image']:.3f} | "
+            f"{_pm(a['classifier_fd'], a['classifier_fd_ci95'], '{:.2f}')} | "
+            f"{_pm(a['class_accuracy'], a['class_accuracy_ci95'], '{:.1%}')} | "
+            f"{_diff(a.get('classifier_fd_vs_plain'), a.get('classifier_fd_vs_plain_ci95'), a.get('classifier_fd_vs_plain_verdict'), '{:+.2f}')} | "
+            f"{_diff(a.get('class_accuracy_vs_plain'), a.get('class_accuracy_vs_plain_ci95'), a.get('class_accuracy_vs_plain_verdict'), '{:+.1%}')} |")
+    r = rows[0]
+    runs = {g: sorted({x["seed"] for x in rows if x["group"] == g}) for g in dict.fromkeys(x["group"] for x in rows)}
+    lines += ["", f"Command: `{command}`. Runs per group (training seeds): "
+              + "; ".join(f"{g}: seeds {s}" for g, s in runs.items())
+              + f". Reference: {r['reference']}; classifier held-out accuracy {r['classifier_accuracy']:.1%}. Values: mean ± the "
+              "half-width of the 95% t-interval over runs; vs plain: the paired difference (same run, same sampling seed) "
+              "with its 95% t-interval and verdict (wins / loses when it excludes 0, else ties)."]
+    if cross:
+        lines += ["", f"{cross[0]['second']} minus {cross[0]['first']}, per rule (95% Welch interval):", "",
+                  "| rule | classifier-FD | class accuracy |", "|---|---|---|"]
+        for c in cross:
+            cells = []
+            for key, fmt in (("classifier_fd", "{:+.2f}"), ("class_accuracy", "{:+.1%}")):
+                d = c[key]
+                span = "" if d["low"] is None else f" [{fmt.format(d['low'])}, {fmt.format(d['high'])}]"
+                cells.append(f"{fmt.format(d['diff'])}{span} {d['verdict']}")
+            lines.append(f"| {c['rule']} | {' | '.join(cells)} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(agg: list[dict], path: Path) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     markers = {"plain": "o", "routed": "v", "cfg": "s", "rg": "*"}
-    for run in dict.fromkeys(r["run"] for r in rows):
+    for gi, group in enumerate(dict.fromkeys(a["group"] for a in agg)):
+        colour = f"C{gi}"
         for kind, marker in markers.items():
-            mine = [r for r in rows if r["run"] == run and r["kind"] == kind]
-            for ax, key in zip(axes, ("classifier_fd", "class_accuracy")):
-                ax.scatter([r["gflops_per_image"] for r in mine], [r[key] for r in mine], marker=marker,
-                           label=f"{Path(run).name}: {kind}" if mine else None)
-    axes[0].set(xlabel="GFLOPs per image", ylabel="classifier-FD (lower is better)")
-    axes[1].set(xlabel="GFLOPs per image", ylabel="class accuracy")
+            mine = [a for a in agg if a["group"] == group and a["kind"] == kind]
+            if not mine:
+                continue
+            for ax, key in zip(axes, SCORES):
+                ax.errorbar([a["gflops_per_image"] for a in mine], [a[key] for a in mine],
+                            yerr=[a[f"{key}_ci95"] or 0 for a in mine], fmt=marker, color=colour, capsize=3,
+                            label=f"{group}: {kind}")
+        routed = sorted((a for a in agg if a["group"] == group and a["kind"] in ("plain", "routed")), key=lambda a: a["gflops_per_image"])
+        for ax, key in zip(axes, SCORES):
+            ax.plot([a["gflops_per_image"] for a in routed], [a[key] for a in routed], color=colour, lw=0.8, alpha=0.6)
+    axes[0].set(xlabel="GFLOPs per image", ylabel="classifier-FD (lower is better)", title="FD against sampling cost")
+    axes[1].set(xlabel="GFLOPs per image", ylabel="class accuracy", title="class accuracy against sampling cost")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "quality_vs_flops.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = ArgumentParser(prog="python -m train.bench.sampling", description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", help="run or checkpoint folders (trained with routing); a group's runs are its seeds")
+    parser.add_argument("--gammas", type=bounded(float, 0, 0.99), nargs="*", default=[0.25, 0.5, 0.75], help="routed-inference ratios")
+    parser.add_argument("--cfg", type=bounded(float, 0, 100), nargs="*", default=[1.5, 2.0], help="classifier-free guidance scales")
+    parser.add_argument("--rg", nargs="*", default=["1.5,0,0.5", "2,0,0.5", "2,0.25,0.75"],
+                        help="routing guidance: scale,gamma_1,gamma_2 (append ,uncond for the released unconditional rule)")
+    parser.add_argument("--steps", type=bounded(int, 1), default=18, help="sampler steps")
+    parser.add_argument("--per-class", type=bounded(int, 2), default=20)
+    parser.add_argument("--num-real", type=bounded(int, 2), default=1000, help="real images of the FD reference")
+    parser.add_argument("--seed", type=bounded(int, 0), default=0, help="sampling seed (the same for every run and rule)")
+    parser.add_argument("--cache-dir", default="~/.cache/tread-zoo", help="where the bench cached its classifier")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=bounded(int, 1), help="torch CPU threads")
+    parser.add_argument("--out", type=Path, default=Path("bench_runs/sampling"))
+    return parser.parse_args(argv)
 
 
 @friendly_errors
 def main(argv: list[str] | None = None) -> list[dict]:
-    import sys
-
-    parser = argparse.ArgumentParser(prog="python -m train.bench.sampling", description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", help="run or checkpoint folders (trained with routing)")
-    parser.add_argument("--gammas", type=float, nargs="*", default=[0.25, 0.5, 0.75], help="routed-inference ratios")
-    parser.add_argument("--cfg", type=float, nargs="*", default=[1.5, 2.0], help="classifier-free guidance scales")
-    parser.add_argument("--rg", nargs="*", default=["1.5,0,0.5", "2,0,0.5", "2,0.25,0.75"], help="routing guidance: scale,gamma_1,gamma_2")
-    parser.add_argument("--steps", type=int, default=18)
-    parser.add_argument("--per-class", type=int, default=20)
-    parser.add_argument("--num-real", type=int, default=1000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cache-dir", default="~/.cache/tread-zoo")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, default=Path("bench_runs/sampling"))
-    args = parser.parse_args(argv)
-    if args.steps < 1 or args.per_class < 2 or args.num_real < 2:
-        raise ConfigError("--steps must be >= 1, and --per-class and --num-real >= 2 (a Fréchet distance needs spread).")
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rule_list = rules(args.gammas, args.cfg, args.rg)
+    command = " ".join(["python -m train.bench.sampling", *(argv if argv is not None else sys.argv[1:])])
+    args.out.mkdir(parents=True, exist_ok=True)
     rows = [row for run in args.runs for row in evaluate(run, rule_list, args)]
-    write(rows, args.out, " ".join(["python -m train.bench.sampling", *(argv if argv is not None else sys.argv[1:])]))
-    print(f"wrote {args.out}/table.md and quality_vs_flops.png")
+    agg, cross = aggregate(rows), between_groups(rows)
+    (args.out / "table.md").write_text(markdown(agg, cross, command, rows))
+    write_json_atomic(args.out / "table.json", {"command": command, "rows": rows, "aggregate": agg, "between_groups": cross,
+                                                "steps": args.steps, "per_class": args.per_class, "seed": args.seed})
+    plot(agg, args.out / "quality_vs_flops.png")
+    print(f"wrote {args.out}/table.md, table.json and quality_vs_flops.png")
     return rows
 
 

@@ -13,25 +13,30 @@ from collections.abc import Callable
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from edm import EDMLoss, LogNormalSigma
+from edm import EDM, Objective
 
 
-def training_step(net, batch: int, shape, num_classes: int, device, seed: int = 0, lr: float = 1e-4) -> Callable[[], None]:
-    """A closure running one EDM training step (forward, backward, AdamW) on fixed random data."""
+def training_step(net, batch: int, shape, num_classes: int, device, seed: int = 0, lr: float = 1e-4,
+                  objective: Objective | None = None) -> Callable[[], None]:
+    """A closure running one training step (forward, backward, AdamW) of `objective` (default EDM with
+    `net.sigma_data`) on fixed random data; `net` is that objective's wrapped network."""
+    objective = objective if objective is not None else EDM(sigma_data=net.sigma_data)
     g = torch.Generator().manual_seed(seed)
     y = torch.randn(batch, *shape, generator=g).to(device)
     labels = torch.randint(0, max(num_classes, 1), (batch,), generator=g).to(device)
-    sigma = LogNormalSigma()(batch, g).to(device)
+    t = objective.sample_time(batch, g).to(device)  # EDM: sigma; flow: t
     noise = torch.randn(batch, *shape, generator=g).to(device)
-    loss_fn = EDMLoss(net.sigma_data)
     optimizer = torch.optim.AdamW(net.parameters(), lr=lr, fused=torch.device(device).type == "cuda")  # as the trainer
 
+    def loss() -> torch.Tensor:
+        return objective.loss(net, y, labels, t, noise).mean()
+
     def step() -> None:
-        loss_fn(net, y, labels, sigma, noise).mean().backward()
+        loss().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step.loss = lambda: loss_fn(net, y, labels, sigma, noise).mean()  # forward only, for memory probes
+    step.loss = loss  # forward only, for memory probes
     return step
 
 

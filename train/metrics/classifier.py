@@ -114,20 +114,30 @@ def cache_path(cache_dir: str | Path, dataset) -> Path:
     return Path(os.path.expanduser(str(cache_dir))) / f"classifier-{dataset.name}-{dataset.shape[-1]}px.safetensors"
 
 
-def load_or_train(dataset, cfg: ClassifierConfig, cache_dir: str | Path, test=None) -> tuple[SmallCNN, dict]:
+def load_or_train(dataset, cfg: ClassifierConfig | None, cache_dir: str | Path, test=None) -> tuple[SmallCNN, dict]:
     """The cached classifier for `dataset` (accuracy measured on `test` when given), trained (and cached
-    atomically) when missing or trained differently."""
+    atomically) when missing or trained differently.
+
+    cfg=None takes the cached classifier of this dataset whatever its settings (so a sampling study scores
+    with the classifier the benchmark trained), and trains one with the default settings only when none is cached.
+    """
     path = cache_path(cache_dir, dataset)
     # The metadata says what the weights were trained on; any difference means they must be retrained.
-    wanted = {"config": asdict(cfg), "dataset": dataset.name, "shape": list(dataset.shape), "size": len(dataset),
-              "num_classes": dataset.num_classes, "accuracy_on": "holdout" if test is None else f"{test.name} ({len(test)} images)"}
-    model = SmallCNN(dataset.shape[0], dataset.num_classes, cfg.width, cfg.feature_dim)
+    wanted = {"config": None if cfg is None else asdict(cfg), "dataset": dataset.name, "shape": list(dataset.shape),
+              "size": len(dataset), "num_classes": dataset.num_classes,
+              "accuracy_on": "holdout" if test is None else f"{test.name} ({len(test)} images)"}
     if path.exists():
         with safe_open(str(path), "pt") as f:
             meta = json.loads(f.metadata()["info"])
+        if cfg is None:
+            wanted["config"] = meta.get("config")
         if {k: meta.get(k) for k in wanted} == wanted:
+            saved = ClassifierConfig(**meta["config"])
+            model = SmallCNN(dataset.shape[0], dataset.num_classes, saved.width, saved.feature_dim)
             model.load_state_dict(load_file(str(path)))
             return model.eval(), meta
+    cfg = cfg if cfg is not None else ClassifierConfig()
+    wanted["config"] = asdict(cfg)
     model, val_accuracy = train_classifier(dataset, cfg, test)
     meta = {**wanted, "heldout_accuracy": val_accuracy}
     path.parent.mkdir(parents=True, exist_ok=True)
