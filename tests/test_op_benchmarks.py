@@ -41,12 +41,18 @@ def test_sampling_study_groups_training_seeds_and_compares_objectives(tmp_path):
     from conftest import run_module
     from train.bench import sampling
 
+    # The flow bench takes its routed budget from another bench's measured speedup (train.speedups_from): here a
+    # cost.json whose routed step is exactly twice as fast, so train.steps={dit: 3} gives its routed cells 6 steps.
+    other = tmp_path / "cost.json"
+    other.write_text(json.dumps({"cells": {"dit-none": {"flops": 2.0, "step_seconds": 2.0},
+                                           "dit-random": {"flops": 1.0, "step_seconds": 1.0}}}))
+    budgets = {"edm": [], "flow": ["train.steps={dit: 3}", f"train.speedups_from={other}"]}
     runs = []
     for objective in ("edm", "flow"):
         out = tmp_path / objective
         done = run_module("train.bench", "bench=smoke", f"out_dir={out}", "grid.backbones=[dit]", "grid.routings=[random]",
                           "seeds=[0,1]", "eval.keep_final=true", f"overrides=[\"data.resolution=8\",\"objective={objective}\"]",
-                          timeout=240)
+                          *budgets[objective], timeout=240)
         assert done.returncode == 0, done.stderr[-3000:]
         runs += [str(out / "runs" / f"dit-random-s{seed}") for seed in (0, 1)]
     sampling.main([*runs, "--gammas", "0.5", "--cfg", "2", "--rg", "2,0,0.5", "2,0,0.5,uncond", "--steps", "2", "--per-class", "2",
@@ -55,6 +61,7 @@ def test_sampling_study_groups_training_seeds_and_compares_objectives(tmp_path):
     table = json.loads((tmp_path / "study" / "table.json").read_text())
     agg = {(a["group"], a["rule"]): a for a in table["aggregate"]}
     assert {g for g, _ in agg} == {"edm dit-random", "flow dit-random"}
+    assert agg[("edm dit-random", "plain")]["steps_trained"] == 2 and agg[("flow dit-random", "plain")]["steps_trained"] == 6
     assert all(a["runs"] == 2 for a in agg.values())
     # Network evaluations per image: Heun with 2 steps is 3 for EDM (no correction at sigma = 0) and 4 for flow;
     # CFG and routing guidance evaluate twice per step, routed inference once.

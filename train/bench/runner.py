@@ -27,6 +27,7 @@ atomically with the settings they were measured under; a re-run with the same se
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import platform
@@ -76,6 +77,24 @@ def parse_shard(text) -> tuple[int, int] | None:
     return i, n
 
 
+def budget_cost_cells(bench: DictConfig, own: dict, keys: list[str]) -> dict:
+    """The cost cells whose measured speedups set the step budgets: this bench's own, or with
+    `train.speedups_from` another bench's cost.json, so that two benches that differ only in what the step does
+    not cost (the objective, say) train exactly the same step counts."""
+    source = bench.train.get("speedups_from")
+    if not source:
+        return own
+    path = Path(str(source)).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"train.speedups_from={source!r} does not exist; point it at another bench's cost.json "
+                          "(e.g. bench_runs/fashion/cost.json).")
+    theirs = json.loads(path.read_text())["cells"]
+    missing = [key for key in keys if key not in theirs]
+    if missing:
+        raise ConfigError(f"train.speedups_from={source!r} has no cost of {missing}; give a cost.json measured for those pairs.")
+    return theirs
+
+
 def run(bench: DictConfig) -> list[dict]:
     began = time.perf_counter()
     if bench.threads:
@@ -108,9 +127,10 @@ def run(bench: DictConfig) -> list[dict]:
 
     # Step budgets (train.steps): equal compute from the measured speedups, when not a wall-clock budget.
     steps = bench.train.get("steps")
+    budget_costs = budget_cost_cells(bench, cost["cells"], [c.key for c in pairs])
     for cell in cells:
         budget = steps.get(cell.backbone) if steps is not None else None
-        set_step_budget(cell, budget, speedups(cost["cells"].get(f"{cell.backbone}-none"), cost["cells"][cell.key])["measured_speedup"])
+        set_step_budget(cell, budget, speedups(budget_costs.get(f"{cell.backbone}-none"), budget_costs[cell.key])["measured_speedup"])
 
     # Quality: one unit per training run.
     clf_cfg = ClassifierConfig(**{f.name: bench.classifier[f.name] for f in fields(ClassifierConfig)})
@@ -140,7 +160,8 @@ def run(bench: DictConfig) -> list[dict]:
     t = bench.train
     if t.get("steps") is not None:
         budget = "equal compute: " + ", ".join(f"{b} {n} steps unrouted" for b, n in t.steps.items() if b in grid.backbones) + \
-                 " (routed cells: x their measured speedup)"
+                 " (routed cells: x their measured speedup" + \
+                 (f" in {t.speedups_from})" if t.get("speedups_from") else ")")
     else:
         budget = f"{t.minutes:g} min" if t.minutes else f"{t.max_steps} steps"
     loads = [cost["load_average"][0]] + [q["load_average"][0] for qs in runs.values() for q in qs]
