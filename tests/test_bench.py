@@ -154,3 +154,36 @@ def test_moe_table_matches_activated_parameters_and_keeps_final_checkpoints(tmp_
         kept = sorted((out / "runs" / cell / "checkpoints").glob("step_*"))
         assert [p.name for p in kept] == ["step_0000002"]
         assert load_run(out / "runs" / cell).step == 2
+
+
+def test_report_compares_routed_rows_with_unrouted_and_moe_rows_with_their_baseline():
+    from omegaconf import OmegaConf
+
+    from train.bench.cells import Cell
+    from train.bench.report import markdown, table_rows
+
+    def cell(backbone, routing):
+        routes = [{"selection_ratio": 0.5}] if routing != "none" else []
+        return Cell(backbone, routing, 0, OmegaConf.create({"routing": {"routes": routes}}), False)
+
+    pairs = [cell(b, r) for b in ("dit", "diffmoe") for r in ("none", "random")]
+    cost = {"params": 10, "tokens": 4, "flops": 1e9, "step_seconds": 1.0, "saved_activation_bytes": 0, "peak_memory_bytes": None}
+    costs = {p.key: cost for p in pairs}
+    losses = {"dit-none": [0.50, 0.52, 0.51], "dit-random": [0.40, 0.41, 0.42],
+              "diffmoe-none": [0.60, 0.61, 0.62], "diffmoe-random": [0.40, 0.42, 0.41]}
+    runs = {key: [{"ema_loss": v, "train_steps": 1, "train_seconds": 1.0, "stalled_seconds": 0.0} for v in vals]
+            for key, vals in losses.items()}
+    rows = {(r["backbone"], r["routing"]): r for r in table_rows(pairs, costs, runs, {"diffmoe": "dit"})}
+    assert rows[("dit", "random")]["ema_loss_verdict"] == "wins" and "ema_loss_vs_base_diff" not in rows[("dit", "random")]
+    # DiffMoE unrouted is worse than dit unrouted (+0.1), and ties it when both are routed (+0.0).
+    assert rows[("diffmoe", "none")]["ema_loss_vs_base_diff"] == pytest.approx(0.1)
+    assert rows[("diffmoe", "none")]["ema_loss_vs_base_verdict"] == "loses"
+    assert rows[("diffmoe", "random")]["ema_loss_vs_base_verdict"] == "ties"
+    meta = {"command": "x", "date": "d", "machine": {"cpu": "c", "cores": 2, "torch": "t", "device": "cpu", "threads": 1},
+            "load_average": "0", "timing": {"batch": 1, "tokens": 4, "repeats": 1, "warmup": 0},
+            "train": {"budget": "b", "data": "d", "tokens": 4, "batch_size": 1, "seeds": [0, 1, 2]},
+            "eval": {"loss_batch": 1, "reference": "r", "samples": 1, "steps": 1, "guidance": 1, "seed": 0, "num_real": 1,
+                     "real_scores": {"classifier_fd": 1.0, "class_accuracy": 1.0}},
+            "classifier": {"heldout_accuracy": 1.0, "config": {"feature_dim": 8}}}
+    text = markdown(list(rows.values()), meta)
+    assert "| diffmoe | dit | none | +0.1000" in text and "| dit | random | -0.1000" in text

@@ -20,8 +20,23 @@ COMPARED = {"ema_loss": True, "classifier_fd": True, "class_accuracy": False,
 NOISY = 0.1  # share of a cell's budget lost to stalls above which the table flags the cell
 
 
-def table_rows(pairs: list[Cell], costs: dict, runs: dict[str, list[dict]]) -> list[dict]:
-    """One row per (backbone, routing): cost columns and quality columns averaged over seeds."""
+def _compare(row: dict, prefix: str, mine: list[dict], theirs: list[dict] | None) -> None:
+    """Welch differences mine - theirs of every compared column into row[f"{key}{prefix}diff"], ..., and verdicts."""
+    if not theirs or len(mine) < 2:
+        return
+    for key, lower in COMPARED.items():
+        d = welch_difference([q.get(key) for q in mine], [q.get(key) for q in theirs])
+        if d["low"] is not None:
+            row[f"{key}{prefix}diff"], row[f"{key}{prefix}diff_low"], row[f"{key}{prefix}diff_high"] = d["diff"], d["low"], d["high"]
+            row[f"{key}{prefix}verdict"] = verdict(d, lower)
+
+
+def table_rows(pairs: list[Cell], costs: dict, runs: dict[str, list[dict]], baselines: dict | None = None) -> list[dict]:
+    """One row per (backbone, routing): cost columns and quality columns averaged over seeds.
+
+    Routed rows are compared with the same backbone unrouted; a row named in `baselines` (row -> baseline row,
+    e.g. the MoE rows -> dit, their dense baseline) also with its baseline under the same routing.
+    """
     rows = []
     for cell in pairs:
         cost = costs[cell.key]
@@ -48,13 +63,12 @@ def table_rows(pairs: list[Cell], costs: dict, runs: dict[str, list[dict]]) -> l
         row.setdefault("activated_params_inference", row["activated_params"])
         if quality and quality[0].get("at_step") is not None:
             row["at_step"] = quality[0]["at_step"]
-        base = runs.get(f"{cell.backbone}-none")
-        if cell.routing != "none" and base and len(quality) > 1:
-            for key, lower in COMPARED.items():
-                d = welch_difference([q.get(key) for q in quality], [q.get(key) for q in base])
-                if d["low"] is not None:
-                    row[f"{key}_diff"], row[f"{key}_diff_low"], row[f"{key}_diff_high"] = d["diff"], d["low"], d["high"]
-                    row[f"{key}_verdict"] = verdict(d, lower)
+        if cell.routing != "none":
+            _compare(row, "_", quality, runs.get(f"{cell.backbone}-none"))
+        baseline = (baselines or {}).get(cell.backbone)
+        if baseline is not None:
+            row["baseline"] = baseline
+            _compare(row, "_vs_base_", quality, runs.get(f"{baseline}-{cell.routing}"))
         row["noisy"] = any(q["stalled_seconds"] > NOISY * q["train_seconds"] for q in quality)
         rows.append(row)
     return rows
@@ -140,29 +154,34 @@ def markdown(rows: list[dict], meta: dict) -> str:
     if any(r.get("seeds", 1) > 1 for r in rows):
         notes.append(f"With {max(r['seeds'] for r in rows)} seeds, a value reads mean ± the half-width of its 95% Student-t interval "
                      "(n - 1 degrees of freedom); table.csv and table.json hold the std too.")
-    return "\n".join(lines + notes + comparison(rows)) + "\n"
+    routed = comparison(rows, "_", "Routed minus unrouted (same backbone)")
+    against_base = comparison(rows, "_vs_base_", "Each row minus its baseline row under the same routing (the MoE rows minus "
+                                                 "dit, the dense baseline at the same activated parameters)", baseline=True)
+    return "\n".join(lines + notes + routed + against_base) + "\n"
 
 
-def comparison(rows: list[dict]) -> list[str]:
-    """Routed minus unrouted per backbone, with Welch 95% intervals and a verdict (lines of markdown)."""
-    compared = [r for r in rows if any(k.endswith("_verdict") for k in r)]
+def comparison(rows: list[dict], prefix: str, title: str, baseline: bool = False) -> list[str]:
+    """Differences stored under `prefix` (table_rows), with Welch 95% intervals and a verdict (lines of markdown)."""
+    compared = [r for r in rows if any(k.endswith(f"{prefix}verdict") and k.count("_vs_base_") == prefix.count("_vs_base_")
+                                       for k in r)]
     if not compared:
         return []
-    keys = [k for k in COMPARED if any(f"{k}_verdict" in r for r in compared)]
-    lines = ["", "Routed minus unrouted (same backbone), mean difference [95% Welch interval], and the verdict: wins / loses "
-             "when the interval excludes 0, else ties.", "",
-             "| backbone | routing | " + " | ".join(COLUMNS[k][0].replace(" (5)", "").replace(" (6)", "") for k in keys) + " |",
-             "|---|---|" + "---|" * len(keys)]
+    keys = [k for k in COMPARED if any(f"{k}{prefix}verdict" in r for r in compared)]
+    lines = ["", f"{title}: mean difference [95% Welch interval], and the verdict: wins / loses when the interval excludes 0, "
+             "else ties.", "",
+             f"| backbone | {'baseline | ' if baseline else ''}routing | "
+             + " | ".join(COLUMNS[k][0].replace(" (5)", "").replace(" (6)", "") for k in keys) + " |",
+             "|---|---|" + ("---|" if baseline else "") + "---|" * len(keys)]
     for r in compared:
         cells = []
         for k in keys:
-            if f"{k}_verdict" not in r:
+            if f"{k}{prefix}verdict" not in r:
                 cells.append("n/a")
                 continue
             fmt = "{:+.2f}" if "fd" in k else ("{:+.1%}" if "accuracy" in k else "{:+.4f}")
-            cells.append(f"{fmt.format(r[f'{k}_diff'])} [{fmt.format(r[f'{k}_diff_low'])}, {fmt.format(r[f'{k}_diff_high'])}] "
-                         f"{r[f'{k}_verdict']}")
-        lines.append(f"| {r['backbone']} | {r['routing']} | " + " | ".join(cells) + " |")
+            cells.append(f"{fmt.format(r[f'{k}{prefix}diff'])} [{fmt.format(r[f'{k}{prefix}diff_low'])}, "
+                         f"{fmt.format(r[f'{k}{prefix}diff_high'])}] {r[f'{k}{prefix}verdict']}")
+        lines.append(f"| {r['backbone']} | {r['baseline'] + ' | ' if baseline else ''}{r['routing']} | " + " | ".join(cells) + " |")
     return lines
 
 

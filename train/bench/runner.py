@@ -156,7 +156,7 @@ def run(bench: DictConfig) -> list[dict]:
         return []
 
     # Table and plots.
-    rows = table_rows(pairs, cost["cells"], runs)
+    rows = table_rows(pairs, cost["cells"], runs, OmegaConf.to_container(grid.get("baselines") or OmegaConf.create({})))
     t = bench.train
     if t.get("steps") is not None:
         budget = "equal compute: " + ", ".join(f"{b} {n} steps unrouted" for b, n in t.steps.items() if b in grid.backbones) + \
