@@ -149,7 +149,9 @@ def test_resume_continues_a_fine_tuning_run_exactly(models, tmp_path):
         a, b = (load_file(tmp_path / run / "checkpoints" / "step_0000004" / name) for run in ("straight", "split"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
 
-    # A base model whose config changed since is refused, by resume and by load_run (train.sample, train.fid).
+    # Another LoRA rank, or a base model whose config changed since, is refused; by load_run (train.sample) too.
+    with pytest.raises(ConfigError, match="does not fit this model"):
+        Trainer(compose_cfg(*common, "finetune.lora.rank=8", "trainer.max_steps=6", f"run_dir={tmp_path / 'split'}", "resume=true"))
     other = write_pretrained("flux", tmp_path / "other", num_single_layers=3)
     with pytest.raises(ConfigError, match=r"fine-tuned from a FluxTransformer2DModel whose config differs in \['num_single_layers'\]"):
         Trainer(compose_cfg(*common, f"finetune.pretrained={other}", "trainer.max_steps=6", f"run_dir={tmp_path / 'split'}", "resume=true"))
@@ -212,6 +214,17 @@ def test_trainable_ema_averages_like_timm_without_copying_frozen_weights():
     assert ours.module[0].weight is net[0].weight and timm.module[0].weight is not net[0].weight
 
 
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_presets_compose_into_a_checked_fine_tuning_config(models, family):
+    overrides = [f"+experiment=finetune_{family}", f"finetune.pretrained={models[family]}"]
+    if family in TABLE_SIZES:
+        overrides.append(f"finetune.prompts={models[family + '_prompts']}")
+    cfg = compose_cfg("run_dir=/tmp/unused", *overrides)
+    check_config(cfg)
+    assert cfg.finetune.family == family and cfg.objective.name == "flow" and cfg.routing.policy == "random"
+    assert cfg.routing.routes[0].selection_ratio == 0.5 and cfg.routing.routes[0].start_layer_idx == 2
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["finetune.family=flux"], "finetune.family=flux needs finetune.pretrained=<local folder"),
     (["finetune.pretrained={flux}"], "finetune.pretrained is set but finetune.family is null"),
@@ -241,8 +254,9 @@ def test_build_refuses_data_the_model_or_table_does_not_fit(models, tmp_path):
     cases = [
         (finetune(models, "flux", f"finetune.prompts={few}"), "data.name=digits has 10 classes, but finetune.prompts="),
         (finetune(models, "flux", f"finetune.prompts={models['sd3_prompts']}"), "was encoded for sd3, not flux"),
-        (finetune(models, "flux", f"finetune.prompts={narrow}"), "prompt table's encoder_hidden_states is 16 wide, but this FluxTransformer2DModel's joint_attention_dim is 24"),
-        (finetune(models, "dit", "data=shapes"), "takes 1 channels"),
+        (finetune(models, "flux", f"finetune.prompts={narrow}"),
+         "prompt table's encoder_hidden_states is 16 wide, but this FluxTransformer2DModel's joint_attention_dim is 24"),
+        (finetune(models, "dit", "data=shapes"), "gives 3x32x32 inputs, but the pretrained DiTTransformer2DModel in"),
     ]
     other = write_pretrained("dit", tmp_path / "dit1000", num_embeds_ada_norm=1000)
     cases.append((finetune(models, "dit", f"finetune.pretrained={other}"), "has 10 classes, but the pretrained DiTTransformer2DModel"))
@@ -261,3 +275,21 @@ def test_cli_names_what_to_fetch_for_a_missing_pretrained_folder(tmp_path, capsy
     assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1
     assert "huggingface-cli download black-forest-labs/FLUX.1-dev --include 'transformer/*'" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_documented_cpu_demo_runs(tmp_path):
+    """docs/finetuning.md's tiny-Flux Fashion-MNIST commands, for 2 steps on a few fake Fashion-MNIST images."""
+    import runpy
+
+    from test_fashion_mnist import fake_fashion
+
+    script = runpy.run_path(str(Path(__file__).parents[1] / "docs" / "finetune_tiny_flux.py"))
+    script["main"](["--write-pretrained", str(tmp_path / "pretrained"), "--latent-channels", "1"])
+    prompts = write_table(random_table("flux", [f"class {k}" for k in range(10)], (8, 64, 32)), tmp_path / "prompts.safetensors")
+    demo = ["+experiment=finetune_flux", "data=fashion_mnist", f"data.path={fake_fashion(tmp_path / 'fm')}",
+            f"finetune.pretrained={tmp_path / 'pretrained'}", f"finetune.prompts={prompts}", "finetune.dtype=fp32",
+            "finetune.gradient_checkpointing=false", "trainer.mixed_precision=no", "trainer.cpu=true", "trainer.lr=1e-3"]
+    trainer = Trainer(compose_cfg(*demo, "trainer.max_steps=2", "trainer.batch_size=4", "trainer.sample_every=0",
+                                  "trainer.ckpt_every=0", f"run_dir={tmp_path / 'run'}"))
+    assert trainer.backbone.depth == 6 and [(r.start_layer_idx, r.end_layer_idx) for r in trainer.backbone.router.routes] == [(2, 4)]
+    assert all(torch.isfinite(torch.tensor(trainer.fit())))

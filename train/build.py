@@ -95,8 +95,8 @@ def build_finetuned(cfg: DictConfig, dataset) -> nn.Module:
     channels, height, width = dataset.shape
     name = f"the pretrained {net.model_class} in '{f.pretrained}'"
     if channels != net.latent_channels or height % net.patch or width % net.patch:
-        raise ConfigError(f"data.name={cfg.data.name} gives {channels}x{height}x{width} inputs, but {name} takes {net.latent_channels} "
-                          f"channels with sides divisible by {net.patch}; fine-tune it on latents of its own VAE.")
+        raise ConfigError(f"data.name={cfg.data.name} gives {channels}x{height}x{width} inputs, but {name} takes "
+                          f"{net.latent_channels}-channel inputs with sides divisible by {net.patch}; fine-tune it on latents of its own VAE.")
     net.router = router_for(cfg.routing, net.depth, (height // net.patch, width // net.patch), what=name)
     if f.family == "dit":
         classes = model.config.num_embeds_ada_norm
@@ -158,7 +158,8 @@ class TrainableEma(nn.Module):
 def build_ema(cfg: DictConfig, net: nn.Module, device) -> nn.Module:
     """The EMA of the sampled weights: of the whole network from scratch, of the trained tensors when fine-tuning."""
     t = cfg.trainer
-    ema = TrainableEma if finetune_family(cfg) else ModelEmaV3  # timm's updates with foreach kernels too
+    # Both update with foreach kernels: one launch per list of tensors, not per tensor.
+    ema = TrainableEma if finetune_family(cfg) else ModelEmaV3
     return ema(net, decay=t.ema_decay, use_warmup=t.ema_warmup, device=device)
 
 

@@ -82,8 +82,9 @@ def load_trained_state(net, state: dict, which: str, cfg: DictConfig) -> None:
     saved, mine = state.get("pretrained") or {}, model_config(model)
     differ = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k)) if saved else []
     if differ:
-        raise ConfigError(f"checkpoint '{state['path']}' was fine-tuned from a {type(model).__name__} whose config differs in {differ} "
-                          f"from the one in finetune.pretrained='{cfg.finetune.pretrained}'; point finetune.pretrained at the model it was trained from.")
+        raise ConfigError(f"checkpoint '{state['path']}' was fine-tuned from a {type(model).__name__} whose config differs in "
+                          f"{differ} from the one in finetune.pretrained='{cfg.finetune.pretrained}'; point finetune.pretrained "
+                          "at the model it was trained from.")
     if cfg.finetune.train == "lora":
         load_lora_state_dict(model, tensors)
     else:

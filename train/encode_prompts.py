@@ -41,7 +41,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, type=writable_file, help="the table's path (.safetensors)")
     parser.add_argument("--max-sequence-length", type=bounded(int, 1, 4096, example="--max-sequence-length 77"),
                         help="text tokens per prompt (default: the pipeline's, e.g. 512 for Flux); fewer makes a smaller table")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of the text encoders and of the table they write (--pipeline)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                        help="dtype of the text encoders and of the table they write (--pipeline)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=bounded(int, 0, example="--seed 0"), default=0, help="seed of --random")
     args = parser.parse_args(argv)

@@ -97,8 +97,8 @@ def random_table(family: str, prompts: list[str], sizes: tuple[int, ...], seed: 
     _check_family(family)
     pooled = "pooled_projections" in TABLE_KEYS[family]
     if len(sizes) != 2 + pooled or min(sizes) < 1:
-        raise ConfigError(f"--random for {family} takes {'L,D,P (text tokens, text width, pooled width)' if pooled else 'L,D (text tokens, text width)'}"
-                          f" as positive integers, e.g. --random {'8,64,32' if pooled else '8,64'}.")
+        takes, example = ("L,D,P (text tokens, text width, pooled width)", "8,64,32") if pooled else ("L,D (text tokens, text width)", "8,64")
+        raise ConfigError(f"--random for {family} takes {takes} as positive integers, e.g. --random {example}.")
     g = torch.Generator().manual_seed(seed)
     rows = len(prompts) + 1
     tensors = {"encoder_hidden_states": torch.randn(rows, sizes[0], sizes[1], generator=g)}

@@ -31,7 +31,7 @@ class FinetuneConfig:
                                  example="prompts/flux.safetensors")
     train: str = key("lora", "what trains: lora (base frozen) | full (every weight)", choices=("lora", "full"), example="lora",
                      on_resume=REFUSE)
-    lora: LoraConfig = group(LoraConfig, "LoRA on the attention projections (finetune.train=lora)")
     dtype: str = key("fp32", "dtype of the frozen base weights (bf16 needs trainer.mixed_precision=bf16); trained weights stay fp32",
                      choices=("fp32", "bf16"), example="bf16")
     gradient_checkpointing: bool = key(False, "recompute each block's activations in the backward pass (less memory, more time)")
+    lora: LoraConfig = group(LoraConfig, "LoRA on the attention projections (finetune.train=lora)")
