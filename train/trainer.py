@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from accelerate.utils import DistributedDataParallelKwargs, set_seed
+from accelerate.utils import set_seed
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
@@ -81,11 +81,7 @@ class Trainer:
             # accelerate keeps one process-wide state; several Trainers in one process (tests, the
             # benchmark grid) may ask for different precisions, so drop it (the process group stays).
             AcceleratorState._reset_state()
-            # Fine-tuning may leave some LoRA unused (SD3's last block discards its context queries), which DDP
-            # must be told about; our own backbones use every parameter and skip the search.
-            ddp = [DistributedDataParallelKwargs(find_unused_parameters=True)] if finetune_family(cfg) else []
-            accelerator = Accelerator(cpu=t.cpu, mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.grad_accum,
-                                      kwargs_handlers=ddp)
+            accelerator = Accelerator(cpu=t.cpu, mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.grad_accum)
         self.acc = accelerator
         check_config(cfg, self.acc.num_processes)
         self.run_dir = Path(cfg.run_dir)
