@@ -1,11 +1,15 @@
-"""Fine-tune a tiny Flux-shaped transformer with TREAD routing and LoRA, end to end on a CPU.
+"""Fine-tune a tiny Flux-shaped transformer with TREAD routing and LoRA, end to end on a CPU, through the Python API.
 
     python docs/finetune_tiny_flux.py --steps 30 --out runs/tiny-flux
+    python docs/finetune_tiny_flux.py --write-pretrained weights/tiny-flux --latent-channels 1   # only write the model
 
 Without --pretrained, a tiny FluxTransformer2DModel with random weights is written to OUT/pretrained first and
 loaded back from there, exactly as a downloaded FLUX.1 folder would be. The data are fixed random latents
 and text embeddings (a stand-in for cached VAE latents and T5/CLIP embeddings); a force-keep mask marks
 the centre of each latent, the region a masked loss would train on.
+
+--write-pretrained DIR only writes the tiny random model, for `python -m train` to fine-tune from a local folder
+(docs/finetuning.md); --latent-channels sets its input channels (Flux packs 2x2 latent pixels into a token).
 """
 
 from __future__ import annotations
@@ -30,9 +34,16 @@ def main(argv=None) -> list[float]:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--write-pretrained", metavar="DIR", help="only write a tiny random Flux transformer to DIR, and stop")
+    p.add_argument("--latent-channels", type=int, default=16, help="with --write-pretrained: input channels (FLUX.1's VAE: 16)")
     args = p.parse_args(argv)
     out = Path(args.out)
     torch.manual_seed(args.seed)
+    if args.write_pretrained:
+        FluxTransformer2DModel(**{**TINY_FLUX, "in_channels": 4 * args.latent_channels}).save_pretrained(args.write_pretrained)
+        print(f"wrote a tiny random FluxTransformer2DModel to {args.write_pretrained} (joint_attention_dim "
+              f"{TINY_FLUX['joint_attention_dim']}, pooled_projection_dim {TINY_FLUX['pooled_projection_dim']})")
+        return []
 
     # The pretrained model, from a local folder only.
     pretrained = args.pretrained

@@ -1,24 +1,36 @@
-"""Config -> objects: dataset-shaped backbone with its router, wrapped by the training objective (EDM or flow)."""
+"""Config -> objects: the trained network (a dataset-shaped backbone, or a pretrained diffusers transformer to
+fine-tune) with its router, wrapped by the training objective (EDM or flow); and its EMA."""
 
 from __future__ import annotations
 
+import copy
+
+import torch
 from omegaconf import DictConfig, OmegaConf
+from timm.utils import ModelEmaV3
 from torch import nn
 
 from backbones import Backbone, build_backbone
+from backbones.adapters import PromptConditioned, adapt, add_lora, keep_labels, load_pretrained
 from edm import Objective, build_objective
 from routing import ConfigError, Router, build_policy, resolve_routes
+from train.data.prompts import DTYPES, read_table
 
 
 def build_router(cfg_routing: DictConfig, model: Backbone) -> Router:
     """Validated router for `model`; fails at start-up when the policy and the blocks do not fit."""
+    return router_for(cfg_routing, model.depth, model.grid, model.block_cls.needs_grid, f"backbone '{model.family}'")
+
+
+def router_for(cfg_routing: DictConfig, depth: int, grid: tuple[int, int], needs_grid: bool = False, what: str = "") -> Router:
+    """Validated router for a stack of `depth` blocks on a `grid` of tokens (`what` names the model in errors)."""
     policy = build_policy(cfg_routing.policy, **(cfg_routing.get("policy_kwargs") or {}))
-    routes = resolve_routes(OmegaConf.to_container(cfg_routing.routes, resolve=True) or [], model.depth)
+    routes = resolve_routes(OmegaConf.to_container(cfg_routing.routes, resolve=True) or [], depth)
     for route in routes:
-        policy.check(model.grid, route.selection_ratio)
-    if routes and model.block_cls.needs_grid and not policy.yields_grid and not cfg_routing.allow_unstructured:
+        policy.check(grid, route.selection_ratio)
+    if routes and needs_grid and not policy.yields_grid and not cfg_routing.allow_unstructured:
         raise ConfigError(
-            f"backbone '{model.family}' scans tokens on a 2-D grid, but routing policy '{policy.name}' picks tokens "
+            f"{what} scans tokens on a 2-D grid, but routing policy '{policy.name}' picks tokens "
             "without one; use routing=rows (or set routing.allow_unstructured=true to treat the subset as 1-D, an ablation)."
         )
     return Router(policy, routes, force=cfg_routing.force, fp32_after_route=cfg_routing.fp32_after_route)
@@ -58,9 +70,97 @@ def objective_for(cfg: DictConfig) -> Objective:
         raise ConfigError(str(err)) from err
 
 
+def finetune_family(cfg: DictConfig) -> str | None:
+    """The pretrained family a config fine-tunes; None trains `backbone` from scratch (and configs saved before
+    fine-tuning existed have no `finetune` section)."""
+    return (cfg.get("finetune") or {}).get("family")
+
+
+def build_finetuned(cfg: DictConfig, dataset) -> nn.Module:
+    """The pretrained model of `finetune`, ready to train on `dataset`: f(x, t, class_labels), as our backbones.
+
+    Loaded from its local folder (base weights in finetune.dtype), LoRA added or every weight made trainable,
+    adapted so its image tokens run through the router of cfg.routing, and for the text families conditioned
+    through the prompt table's class prompts.
+    """
+    f = cfg.finetune
+    model = load_pretrained(f.family, f.pretrained, torch_dtype=DTYPES[f.dtype])
+    if f.train == "lora":
+        add_lora(model, f.lora.rank, f.lora.alpha, f.lora.dropout)
+    else:
+        model.requires_grad_(True)
+    if f.gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+    net = adapt(model)
+    channels, height, width = dataset.shape
+    name = f"the pretrained {net.model_class} in '{f.pretrained}'"
+    if channels != net.latent_channels or height % net.patch or width % net.patch:
+        raise ConfigError(f"data.name={cfg.data.name} gives {channels}x{height}x{width} inputs, but {name} takes "
+                          f"{net.latent_channels}-channel inputs with sides divisible by {net.patch}; fine-tune it on latents of its own VAE.")
+    net.router = router_for(cfg.routing, net.depth, (height // net.patch, width // net.patch), what=name)
+    if f.family == "dit":
+        classes = model.config.num_embeds_ada_norm
+        if dataset.num_classes != classes:
+            raise ConfigError(f"data.name={cfg.data.name} has {dataset.num_classes} classes, but {name} embeds {classes} "
+                              "(num_embeds_ada_norm); fine-tune it on data with its classes.")
+        keep_labels(model)  # the trainer drops labels itself, once per sample and seeded
+        return net.train()
+    table = read_table(f.prompts, f.family)
+    if table.num_classes != dataset.num_classes:
+        raise ConfigError(f"data.name={cfg.data.name} has {dataset.num_classes} classes, but finetune.prompts='{f.prompts}' holds "
+                          f"{table.num_classes} class prompts; encode one prompt per class, in class order.")
+    return PromptConditioned(net, table.tensors).train()
+
+
 def build_net(cfg: DictConfig, dataset) -> nn.Module:
     """The trained network for `dataset`: D(x; sigma, labels) for EDM, v(z, t, labels) for flow."""
+    if finetune_family(cfg):
+        return objective_for(cfg).wrap(build_finetuned(cfg, dataset))
     return objective_for(cfg).wrap(build_backbone_for(cfg, dataset.shape, dataset.num_classes))
+
+
+def pretrained_of(net: nn.Module) -> nn.Module:
+    """The diffusers model inside a fine-tuning network (objective wrapper -> [PromptConditioned ->] adapter)."""
+    return net.model.pretrained
+
+
+class TrainableEma(nn.Module):
+    """EMA of the trainable parameters only, for fine-tuning; `module` is sampled like ModelEmaV3's.
+
+    timm's ModelEmaV3 deep-copies the whole network and averages every tensor: with a frozen 12B base that
+    doubles the weights' memory to average tensors that never change. Here the copy shares every frozen
+    parameter and buffer with the trained network (a deepcopy memo that maps each to itself), and only the
+    trainable tensors are copied and averaged, with ModelEmaV3's decay and warm-up.
+    """
+
+    def __init__(self, model: nn.Module, decay: float, use_warmup: bool, device=None):
+        super().__init__()
+        shared = [p for p in model.parameters() if not p.requires_grad] + list(model.buffers())
+        self.module = copy.deepcopy(model, memo={id(t): t for t in shared}).eval()
+        if device is not None:
+            self.module.to(device)
+        self.decay, self.use_warmup = decay, use_warmup
+        self.averaged = [p for p in self.module.parameters() if p.requires_grad]
+
+    def get_decay(self, step: int) -> float:
+        """ModelEmaV3.get_decay (update_after_step 0): 0 at the first update, then 1 - (1 + s)^(-2/3) up to `decay`."""
+        step = max(0, step - 1)
+        if step <= 0:
+            return 0.0
+        return min(1 - (1 + step) ** (-2 / 3), self.decay) if self.use_warmup else self.decay
+
+    @torch.no_grad()
+    def update(self, model: nn.Module, step: int) -> None:
+        trained = [p for p in model.parameters() if p.requires_grad]
+        torch._foreach_lerp_(self.averaged, trained, 1.0 - self.get_decay(step))
+
+
+def build_ema(cfg: DictConfig, net: nn.Module, device) -> nn.Module:
+    """The EMA of the sampled weights: of the whole network from scratch, of the trained tensors when fine-tuning."""
+    t = cfg.trainer
+    # Both update with foreach kernels: one launch per list of tensors, not per tensor.
+    ema = TrainableEma if finetune_family(cfg) else ModelEmaV3
+    return ema(net, decay=t.ema_decay, use_warmup=t.ema_warmup, device=device)
 
 
 def compile_blocks(model: Backbone) -> None:

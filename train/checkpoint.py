@@ -3,6 +3,11 @@
 
 Each checkpoint is written into a temporary folder and renamed into place, and `latest` is replaced
 atomically, so a run killed mid-write never leaves a half checkpoint behind the pointer.
+
+A fine-tuning checkpoint holds the trained tensors only: the LoRA tensors with peft's keys (or, with
+finetune.train=full, every weight with diffusers' keys), plus `lora/`, the EMA adapter as `save_lora` writes it
+(for load_lora or diffusers' load_lora_adapter). The base weights stay in finetune.pretrained, whose config
+state.json records, so a changed base model is refused instead of silently mixed with the adapter.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save_file
 
+from backbones.adapters import load_lora_state_dict, lora_state_dict, model_config, save_lora
 from routing import ConfigError
-from train.build import build_net, objective_for
+from train.build import build_net, finetune_family, objective_for, pretrained_of
 from train.data import build_dataset
 
 # Sections that fix the shape of the network; changing them makes a checkpoint unloadable.
@@ -53,6 +59,38 @@ def non_finite(state: dict) -> list[str]:
     return bad
 
 
+def trained_state(net, cfg: DictConfig) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint keeps of `net`: its whole state dict when trained from scratch; when fine-tuning,
+    the trained tensors only (LoRA with peft's keys, or with finetune.train=full every weight with diffusers' keys)."""
+    if not finetune_family(cfg):
+        return net.state_dict()
+    model = pretrained_of(net)
+    return lora_state_dict(model) if cfg.finetune.train == "lora" else model.state_dict()
+
+
+def load_trained_state(net, state: dict, which: str, cfg: DictConfig) -> None:
+    """Put a checkpoint's `which` tensors ("model" or "ema") into `net`, built from `cfg` as the run was.
+
+    Fine-tuning: the base comes from finetune.pretrained, so a base whose config differs from the one the
+    checkpoint was trained on is refused.
+    """
+    tensors = state[which]
+    if not finetune_family(cfg):
+        net.load_state_dict(tensors)
+        return
+    model = pretrained_of(net)
+    saved, mine = state.get("pretrained") or {}, model_config(model)
+    differ = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k)) if saved else []
+    if differ:
+        raise ConfigError(f"checkpoint '{state['path']}' was fine-tuned from a {type(model).__name__} whose config differs in "
+                          f"{differ} from the one in finetune.pretrained='{cfg.finetune.pretrained}'; point finetune.pretrained "
+                          "at the model it was trained from.")
+    if cfg.finetune.train == "lora":
+        load_lora_state_dict(model, tensors)
+    else:
+        model.load_state_dict(tensors)
+
+
 def save_checkpoint(ckpt_root: Path, step: int, model, ema_model, optimizer, cfg: DictConfig, keep: int = 2) -> Path:
     """Write checkpoint `step` so that the folder always holds a loadable one that `latest` names.
 
@@ -61,7 +99,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model, ema_model, optimizer, cfg
     undone by `recover_checkpoints` at the next start (and `latest_checkpoint` finds the moved-aside copy
     meanwhile). Rotation keeps the `keep` newest and never deletes the one `latest` names.
     """
-    model_state, ema_state = _contiguous(model.state_dict()), _contiguous(ema_model.state_dict())
+    model_state, ema_state = _contiguous(trained_state(model, cfg)), _contiguous(trained_state(ema_model, cfg))
     bad = non_finite(model_state) + non_finite(ema_state)
     if bad:
         raise NonFiniteWeights(f"{len(bad)} tensors hold NaN or inf (e.g. {bad[0]!r})")
@@ -75,7 +113,12 @@ def save_checkpoint(ckpt_root: Path, step: int, model, ema_model, optimizer, cfg
         save_file(ema_state, tmp / "ema.safetensors")
         torch.save({"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}, tmp / "optimizer.pt")
         digests = {name: _sha256(tmp / name) for name in ("model.safetensors", "ema.safetensors", "optimizer.pt")}
-        (tmp / "state.json").write_text(json.dumps({"step": step, "sha256": digests}))
+        state = {"step": step, "sha256": digests}
+        if finetune_family(cfg):
+            state["pretrained"] = model_config(pretrained_of(model))
+            if cfg.finetune.train == "lora":
+                save_lora(pretrained_of(ema_model), tmp / "lora")  # the EMA adapter, for load_lora and diffusers
+        (tmp / "state.json").write_text(json.dumps(state))
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a full disk leaves no half-written folder behind
@@ -176,7 +219,8 @@ def load_checkpoint(path: Path, cfg: DictConfig | None = None) -> dict:
         if bad:
             raise ConfigError(f"checkpoint '{path}' holds NaN or inf in {name} ({len(bad)} tensors, e.g. {bad[0]!r}); "
                               "resume from an older step_* folder.")
-    return {"model": model, "ema": ema, "config": saved_cfg, "step": state["step"], **extra}
+    return {"model": model, "ema": ema, "config": saved_cfg, "step": state["step"], "pretrained": state.get("pretrained"),
+            "path": path, **extra}
 
 
 def _contiguous(state: dict) -> dict:
@@ -226,5 +270,5 @@ def load_run(checkpoint: str | Path, device: str | torch.device = "cpu") -> Load
     cfg = state["config"]
     dataset = build_dataset(cfg.data, cfg.edm.sigma_data)
     net = build_net(cfg, dataset)
-    net.load_state_dict(state["ema"])
+    load_trained_state(net, state, "ema", cfg)
     return Loaded(net.to(device).eval(), objective_for(cfg), cfg, dataset, path, state["step"])

@@ -17,14 +17,13 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import set_seed
 from omegaconf import DictConfig, OmegaConf
-from timm.utils import ModelEmaV3
 from tqdm.auto import tqdm
 
 from backbones.diffmoe import auxiliary_losses
 from edm import generate, reduce_loss
 from routing import ConfigError
-from train.build import build_net, compile_blocks, compiled_graphs, objective_for
-from train.checkpoint import NonFiniteWeights, latest_checkpoint, load_checkpoint, recover_checkpoints, save_checkpoint
+from train.build import build_ema, build_net, compile_blocks, compiled_graphs, finetune_family, objective_for
+from train.checkpoint import NonFiniteWeights, latest_checkpoint, load_checkpoint, load_trained_state, recover_checkpoints, save_checkpoint
 from train.cli import RunStopped
 from train.data import build_dataset
 from train.data.prefetch import Prefetcher
@@ -99,9 +98,10 @@ class Trainer:
         if on_cuda:
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # fp32 matmuls on tensor cores
         # The fused kernel updates every parameter in one launch on CUDA; the CPU keeps the reference loop.
-        optimizer = torch.optim.AdamW(net.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, fused=on_cuda)
-        # timm's EMA updates with foreach kernels (one launch per tensor list, not per tensor).
-        self.ema = ModelEmaV3(net, decay=t.ema_decay, use_warmup=t.ema_warmup, device=self.acc.device)
+        # Only trained parameters (all of them from scratch; the LoRA when fine-tuning) get optimizer state.
+        trained = [p for p in net.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trained, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, fused=on_cuda)
+        self.ema = build_ema(cfg, net, self.acc.device)
         # Compiled after the EMA copy: a deep copy of a compiled block would call the original's compiled code.
         self.compile_report_pending = bool(t.get("compile"))
         if self.compile_report_pending:
@@ -170,8 +170,8 @@ class Trainer:
             raise ConfigError(f"resume={resume} but {ckpt_root} holds no checkpoint; drop resume= or point run_dir= at the run to continue.")
         state = load_checkpoint(path, self.cfg)
         try:
-            self.acc.unwrap_model(self.net).load_state_dict(state["model"])
-            self.ema.module.load_state_dict(state["ema"])
+            load_trained_state(self.acc.unwrap_model(self.net), state, "model", self.cfg)
+            load_trained_state(self.ema.module, state, "ema", self.cfg)
         except RuntimeError as err:
             raise ConfigError(f"checkpoint '{path}' does not fit this model ({str(err).splitlines()[0]}); resume with the config it was trained with.") from err
         self.optimizer.load_state_dict(state["optimizer"])
@@ -285,7 +285,11 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         params = sum(p.numel() for p in self.backbone.parameters())
-        self.acc.print(f"{cfg.backbone.name}-{cfg.backbone.preset}/{cfg.backbone.patch_size} ({params / 1e6:.2f}M params), "
+        trained = sum(p.numel() for p in self.backbone.parameters() if p.requires_grad)
+        model = (f"{cfg.finetune.family} from {cfg.finetune.pretrained} ({params / 1e6:.2f}M params, {trained / 1e6:.2f}M trained, "
+                 f"finetune.train={cfg.finetune.train})" if finetune_family(cfg) else
+                 f"{cfg.backbone.name}-{cfg.backbone.preset}/{cfg.backbone.patch_size} ({params / 1e6:.2f}M params)")
+        self.acc.print(f"{model}, "
                        f"routing={cfg.routing.policy}, data={cfg.data.name} {tuple(self.dataset.shape)}, "
                        f"{self.acc.num_processes} process(es) on {self.acc.device}, run_dir={self.run_dir}")
         losses = []

@@ -5,6 +5,7 @@
     net = adapt(model, policy="random", routes=[{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}])
     v = net(z_t, t, {"encoder_hidden_states": ..., "pooled_projections": ..., "force_keep": mask})
     save_lora(model, "run/lora")
+    net = PromptConditioned(adapt(model), table)                    # net(x, t, class_labels) through class prompts
 
 Supported (diffusers 0.42, the version these adapters re-run the forwards of): FluxTransformer2DModel,
 SD3Transformer2DModel, PixArtTransformer2DModel, DiTTransformer2DModel.
@@ -17,7 +18,7 @@ import warnings
 from torch import nn
 
 from backbones.adapters.common import DIFFUSERS_TESTED, RoutedTransformer, Stream, make_router, token_mask
-from backbones.adapters.dit import DiTAdapter
+from backbones.adapters.dit import DiTAdapter, keep_labels
 from backbones.adapters.flux import FluxAdapter
 from backbones.adapters.lora import (
     ATTENTION_PROJECTIONS,
@@ -29,9 +30,12 @@ from backbones.adapters.lora import (
     load_pretrained,
     lora_parameters,
     lora_state_dict,
+    model_config,
+    pretrained_folder,
     save_lora,
 )
 from backbones.adapters.pixart import PixArtAdapter
+from backbones.adapters.prompts import TABLE_KEYS, PromptConditioned
 from backbones.adapters.sd3 import SD3Adapter
 from routing import ConfigError, Router, RoutingPolicy
 
@@ -65,7 +69,8 @@ def adapt(model: nn.Module, router: Router | None = None, *, policy: str | Routi
 
 
 __all__ = [
-    "ADAPTERS", "ATTENTION_PROJECTIONS", "DIFFUSERS_TESTED", "FAMILIES", "PRETRAINED", "DiTAdapter", "FluxAdapter",
-    "LoraSpec", "PixArtAdapter", "RoutedTransformer", "SD3Adapter", "Stream", "adapt", "add_lora", "load_lora",
-    "load_lora_state_dict", "load_pretrained", "lora_parameters", "lora_state_dict", "save_lora", "token_mask",
+    "ADAPTERS", "ATTENTION_PROJECTIONS", "DIFFUSERS_TESTED", "FAMILIES", "PRETRAINED", "TABLE_KEYS", "DiTAdapter",
+    "FluxAdapter", "LoraSpec", "PixArtAdapter", "PromptConditioned", "RoutedTransformer", "SD3Adapter", "Stream", "adapt",
+    "add_lora", "keep_labels", "load_lora", "load_lora_state_dict", "load_pretrained", "lora_parameters",
+    "lora_state_dict", "model_config", "pretrained_folder", "save_lora", "token_mask",
 ]

@@ -187,6 +187,7 @@ class RoutedTransformer(nn.Module):
         self.model = model
         self.router = router if router is not None else Router()
         self.steps: list[Step] = self.build_steps()
+        self.last_grid: Grid | None = None  # the token grid of the last forward, for route_masks
 
     @property
     def depth(self) -> int:
@@ -196,6 +197,20 @@ class RoutedTransformer(nn.Module):
     def patch(self) -> int:
         """Latent pixels per token side: the model's own patch size (Flux, which packs 2x2 itself, overrides it)."""
         return self.model.config.patch_size
+
+    @property
+    def latent_channels(self) -> int:
+        """Channels of the latents x the model takes (Flux, which packs 2x2 itself, overrides it)."""
+        return self.model.config.in_channels
+
+    @property
+    def pretrained(self) -> nn.Module:
+        """The diffusers model (also reached as `net.model`; this name is shared with `PromptConditioned`)."""
+        return self.model
+
+    def route_masks(self) -> list[torch.Tensor]:
+        """Processed-image-token masks of the last forward, one (B, h, w) bool per route, as our backbones give."""
+        return [m.view(-1, *self.last_grid) for m in self.router.last_masks]  # (B, N) -> (B, h, w)
 
     # Family hooks.
     def build_steps(self) -> list[Step]:
@@ -219,6 +234,7 @@ class RoutedTransformer(nn.Module):
         mask = force_keep if force_keep is not None else mask
         t = t.reshape(-1).expand(x.shape[0])  # () or (B,) -> (B,)
         tokens, stream, grid = self.embed(x, t, cond)
+        self.last_grid = grid
         keep = None if mask is None else token_mask(mask.to(tokens.device), grid, self.patch)
         with recording(self.router, stream):
             tokens = self.router.run(self.steps, tokens, stream, grid, self.training, force_keep=keep)

@@ -3,7 +3,8 @@
 Absolute 2-D sin-cos positions are added in the patch embedding, before the blocks, so gathered tokens keep
 them. Every DiT block embeds (timestep, class) in its own adaLN-Zero layer, so a block needs only the raw
 timestep and labels, which the stream carries. In training mode diffusers' label embedding drops labels
-with probability 0.1 using the global torch RNG, per block; that is the model's behaviour and is kept.
+with probability 0.1 using the global torch RNG, independently in every block; that is the model's behaviour
+and is kept, unless `keep_labels(model)` turns it off for a trainer that drops labels itself.
 
 Output: the first C channels (DiT predicts noise and a learned variance), used as the velocity when
 fine-tuning with `edm.FlowLoss` (t -> 1000 t). cond: the class labels (B,) long, or {"class_labels": ...}.
@@ -56,3 +57,15 @@ class DiTAdapter(RoutedTransformer):
             cross_attention_kwargs=cond.get("cross_attention_kwargs"), return_dict=False,
         )[0]
         return out[:, : self.model.config.in_channels]
+
+
+def keep_labels(model) -> None:
+    """Turn off diffusers' own label dropout: the trainer drops labels itself, once per sample and seeded.
+
+    diffusers' DiT draws a fresh drop in every block's label embedding from the global RNG, so one sample would
+    see its label in some blocks and the null class in others, on top of the trainer's drop. The embedding
+    table keeps its null row (index num_embeds_ada_norm), which the trainer's drops and CFG use.
+    """
+    for module in model.modules():
+        if type(module).__name__ == "LabelEmbedding":
+            module.dropout_prob = 0.0

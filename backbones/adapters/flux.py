@@ -86,6 +86,10 @@ class FluxAdapter(RoutedTransformer):
 
     family, model_class, patch = "flux", "FluxTransformer2DModel", 2
 
+    @property
+    def latent_channels(self) -> int:
+        return self.model.config.in_channels // 4  # 2x2 packing: 4 C features per token
+
     def build_steps(self):
         m = self.model
         if m.config.patch_size != 1:

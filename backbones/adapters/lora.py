@@ -46,20 +46,31 @@ def model_class(family: str):
     return getattr(diffusers, PRETRAINED[family][0])
 
 
-def load_pretrained(family: str, path: str | os.PathLike, torch_dtype: torch.dtype | None = None) -> nn.Module:
-    """The family's diffusers transformer from `path` (its folder, or a pipeline folder with transformer/)."""
-    cls, repo = model_class(family), PRETRAINED[family][1]
+def pretrained_folder(family: str, path: str | os.PathLike, what: str = "pretrained path") -> Path:
+    """The folder holding the family's diffusers transformer: `path` itself or its transformer/ (a pipeline folder).
+
+    Reads only config.json, so a config check can refuse a missing model before any work starts.
+    """
+    if family not in PRETRAINED:
+        raise ConfigError(f"pretrained family '{family}' is unknown; choose one of {sorted(PRETRAINED)}.")
+    name, repo = PRETRAINED[family]
     root = Path(path).expanduser()
     folder = next((d for d in (root, root / "transformer") if (d / "config.json").is_file()), None)
     if folder is None:
         raise ConfigError(
-            f"pretrained path '{root}' holds no diffusers {cls.__name__} (config.json there or in transformer/); "
+            f"{what} '{root}' holds no diffusers {name} (config.json there or in transformer/); "
             f"fetch one first, e.g. `huggingface-cli download {repo} --include 'transformer/*' --local-dir {root}`."
         )
     found = json.loads((folder / "config.json").read_text()).get("_class_name")
-    if found not in (None, cls.__name__):
-        raise ConfigError(f"pretrained path '{folder}' holds a {found}, not the {cls.__name__} that family '{family}' needs.")
-    return cls.from_pretrained(folder, torch_dtype=torch_dtype, local_files_only=True)
+    if found not in (None, name):
+        raise ConfigError(f"{what} '{folder}' holds a {found}, not the {name} that family '{family}' needs.")
+    return folder
+
+
+def load_pretrained(family: str, path: str | os.PathLike, torch_dtype: torch.dtype | None = None) -> nn.Module:
+    """The family's diffusers transformer from `path` (its folder, or a pipeline folder with transformer/)."""
+    folder = pretrained_folder(family, path)
+    return model_class(family).from_pretrained(folder, torch_dtype=torch_dtype, local_files_only=True)
 
 
 @dataclass(frozen=True)
@@ -91,6 +102,9 @@ def add_lora(model: nn.Module, rank: int = 16, alpha: float | None = None, dropo
                         target_modules=found, init_lora_weights=True)
     inject_adapter_in_model(config, model)
     for p in lora_parameters(model):
+        # peft creates the adapters in the base's dtype; a bf16 base still trains fp32 LoRA weights, whose
+        # small updates bf16 would round away.
+        p.data = p.data.float()
         p.requires_grad_(True)
     model._tread_lora = spec
     return spec
@@ -122,7 +136,8 @@ def load_lora_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor]) -> 
         raise ConfigError(f"peft did not place LoRA tensors {result.unexpected_keys[:3]}.")
 
 
-def _model_config(model: nn.Module) -> dict:
+def model_config(model: nn.Module) -> dict:
+    """The diffusers config that fixes the model's shape, as plain JSON values."""
     # Private diffusers keys (_class_name, _diffusers_version, _name_or_path, ...) describe provenance, not shape.
     config = {k: v for k, v in dict(model.config).items() if not k.startswith("_")}
     return json.loads(json.dumps(config, default=list))
@@ -132,13 +147,18 @@ def save_lora(model: nn.Module, folder: str | os.PathLike) -> Path:
     """Write the adapter only: adapter_model.safetensors + adapter_config.json, each atomically."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = lora_state_dict(model)
+    tensors, spec = lora_state_dict(model), model._tread_lora
     meta = {
         "format": FORMAT,
-        "lora": {**asdict(model._tread_lora), "targets": list(model._tread_lora.targets)},
-        "model": {"class": type(model).__name__, "config": _model_config(model)},
+        "lora": {**asdict(spec), "targets": list(spec.targets)},
+        "model": {"class": type(model).__name__, "config": model_config(model)},
     }
-    _atomic(folder / WEIGHTS, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT}))
+    # diffusers' `model.load_lora_adapter(folder, prefix=None, weight_name=WEIGHTS)` reads the LoRA settings
+    # (alpha above all, which the tensors do not reveal) from this metadata entry.
+    peft = {"r": spec.rank, "lora_alpha": spec.alpha if spec.alpha is not None else spec.rank,
+            "lora_dropout": spec.dropout, "target_modules": list(spec.targets)}
+    metadata = {"format": FORMAT, "lora_adapter_metadata": json.dumps(peft)}
+    _atomic(folder / WEIGHTS, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     _atomic(folder / CONFIG, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2) + "\n"))
     return folder
 
@@ -159,7 +179,7 @@ def load_lora(model: nn.Module, folder: str | os.PathLike) -> LoraSpec:
     cls, config = meta["model"]["class"], meta["model"]["config"]
     if cls != type(model).__name__:
         raise ConfigError(f"the LoRA in '{folder}' was trained on a {cls}, not a {type(model).__name__}.")
-    differ = sorted(k for k in set(config) | set(_model_config(model)) if config.get(k) != _model_config(model).get(k))
+    differ = sorted(k for k in set(config) | set(model_config(model)) if config.get(k) != model_config(model).get(k))
     if differ:
         raise ConfigError(f"the LoRA in '{folder}' was trained on a {cls} whose config differs in {differ}; load that model.")
     lora = meta["lora"]

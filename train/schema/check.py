@@ -12,6 +12,7 @@ import dataclasses
 import inspect
 import re
 import typing
+from pathlib import Path
 from typing import Any, Iterator
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -20,6 +21,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from routing.errors import ConfigError
 from train.schema.config import Config
 from train.schema.data import DATA
+from train.schema.finetune import FAMILIES, TEXT_FAMILIES
 from train.schema.keys import APPLY, REFUSE, describe_range, in_range
 from train.schema.objective import OBJECTIVES
 
@@ -233,13 +235,12 @@ def check_config(cfg: Any) -> None:
             _check_ranges(typed[section], options[typed[section].name], f"{section}.")
     _check_resume(typed.resume)
     _check_backbone(typed.backbone)
+    _check_finetune(typed)
     fid = typed.fid
     if fid.every and not fid.ref:
         raise ConfigError("fid.ref is not set but fid.every > 0: pass fid.ref=/path/to/ref.npz (mu, sigma) or a folder of real images, or fid.every=0.")
     for key_ in ("ref", "inception"):
         if fid.every and fid[key_]:
-            from pathlib import Path
-
             if not Path(str(fid[key_])).expanduser().exists():
                 raise ConfigError(f"fid.{key_}={fid[key_]!r} does not exist; pass an existing file or folder (or fid.every=0 to turn FID off).")
 
@@ -249,6 +250,45 @@ def _check_resume(resume: Any) -> None:
         return
     if not isinstance(resume, str):
         raise ConfigError(f"resume={resume!r} is not understood; use resume=auto, resume=true or a checkpoint folder (e.g. resume=runs/X/checkpoints/step_0000100).")
+
+
+def _check_finetune(cfg: DictConfig) -> None:
+    """What fine-tuning needs: a local pretrained folder, rectified flow, a prompt table for the text families."""
+    f = cfg.finetune
+    if f.family is None:
+        stray = [k for k in ("pretrained", "prompts") if f[k] is not None]
+        if stray:
+            raise ConfigError(f"finetune.{stray[0]} is set but finetune.family is null; set finetune.family={'|'.join(FAMILIES)} "
+                              f"(or +experiment=finetune_flux), or drop finetune.{stray[0]}.")
+        return
+    from backbones.adapters import pretrained_folder  # torch and the adapters load only for a fine-tuning config
+
+    name = f"finetune.family={f.family}"
+    if f.pretrained is None:
+        raise ConfigError(f"{name} needs finetune.pretrained=<local folder of the diffusers model or its pipeline> "
+                          "(e.g. finetune.pretrained=weights/FLUX.1-dev); nothing is downloaded at run time.")
+    pretrained_folder(f.family, f.pretrained, what="finetune.pretrained")  # a missing folder: one sentence naming what to fetch
+    objective = (cfg.objective or {}).get("name", "edm")
+    if objective != "flow":
+        raise ConfigError(f"fine-tuning trains with rectified flow, but objective={objective}; add objective=flow.")
+    encode = f"python -m train.encode_prompts --family {f.family} --pipeline DIR --prompts ... --out FILE"
+    if f.family in TEXT_FAMILIES and f.prompts is None:
+        raise ConfigError(f"{name} conditions on text; give finetune.prompts=<prompt table, one prompt per class> (write one with `{encode}`).")
+    if f.family not in TEXT_FAMILIES and f.prompts is not None:
+        raise ConfigError(f"{name} takes class labels itself; drop finetune.prompts.")
+    if f.prompts is not None and not Path(str(f.prompts)).expanduser().is_file():
+        raise ConfigError(f"finetune.prompts={f.prompts!r} does not exist; write the prompt table with `{encode}`.")
+    if f.train == "full" and f.dtype != "fp32":
+        raise ConfigError(f"finetune.train=full trains every weight, which stays fp32; set finetune.dtype=fp32 "
+                          "(trainer.mixed_precision=bf16 still computes in bf16).")
+    if f.dtype == "bf16" and cfg.trainer.mixed_precision != "bf16":
+        raise ConfigError("finetune.dtype=bf16 keeps the base weights in bf16, which needs bf16 autocast; add trainer.mixed_precision=bf16.")
+    if f.dtype == "bf16" and cfg.routing.fp32_after_route:
+        raise ConfigError("routing.fp32_after_route=true runs a block in fp32, which bf16 base weights (finetune.dtype=bf16) cannot; "
+                          "drop it, or keep the base in fp32 (finetune.dtype=fp32) with trainer.mixed_precision=bf16.")
+    if cfg.trainer.compile:
+        raise ConfigError(f"trainer.compile=true is not supported with {name} (only our own backbones compile per block); "
+                          "drop trainer.compile.")
 
 
 def _check_backbone(b: DictConfig) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 from train.schema.backbone import BackboneConfig
 from train.schema.edm import EDMConfig
 from train.schema.fid import FIDConfig
+from train.schema.finetune import FinetuneConfig
 from train.schema.keys import REFUSE, group, key
 from train.schema.routing import RoutingConfig
 from train.schema.sample import SampleConfig
@@ -22,6 +23,7 @@ class Config:
     overwrite: bool = key(False, "a fresh run into a run_dir holding a run moves the old one aside to <run_dir>.old-<time> instead of refusing")
     backbone: BackboneConfig = group(BackboneConfig, "block family and size")
     routing: RoutingConfig = group(RoutingConfig, "TREAD token routing")
+    finetune: FinetuneConfig = group(FinetuneConfig, "fine-tune a pretrained diffusers transformer instead of `backbone`")
     # Data and objective keys depend on the option (data.name, objective.name); their schemas are in
     # train/schema/data.py and objective.py, checked by check_config.
     data: Any = key(None, "dataset (data=digits|shapes|fashion_mnist|latents); keys per dataset, see train/schema/data.py")

@@ -1,0 +1,295 @@
+"""`python -m train` fine-tunes pretrained diffusers transformers: tiny random models written to local folders,
+LoRA through peft, TREAD routing, adapter-only checkpoints, exact resume, sampling, and one-sentence refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from backbones.adapters import FAMILIES, PromptConditioned, adapt, add_lora, keep_labels, load_lora, load_pretrained, lora_state_dict
+from routing import ConfigError
+from train.build import TrainableEma
+from train.checkpoint import load_run
+from train.data.prompts import random_table, write_table
+from train.schema import check_config
+from train.trainer import Trainer
+from conftest import FAST, compose_cfg, run_module
+
+# Tiny models for data=digits (1 channel, 16x16, 10 classes): 8x8 image tokens, 4 routed blocks, 2 heads.
+TINY = {
+    "flux": dict(patch_size=1, in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+                 joint_attention_dim=24, pooled_projection_dim=12, axes_dims_rope=(4, 6, 6)),
+    "sd3": dict(sample_size=16, patch_size=2, in_channels=1, out_channels=1, num_layers=4, attention_head_dim=8, num_attention_heads=2,
+                joint_attention_dim=24, caption_projection_dim=16, pooled_projection_dim=12, pos_embed_max_size=16),
+    "pixart": dict(num_attention_heads=2, attention_head_dim=8, in_channels=1, out_channels=2, num_layers=4, cross_attention_dim=16,
+                   sample_size=16, patch_size=2, caption_channels=24),
+    "dit": dict(num_attention_heads=2, attention_head_dim=8, in_channels=1, out_channels=2, num_layers=4, sample_size=16, patch_size=2,
+                num_embeds_ada_norm=10),
+}
+TABLE_SIZES = {"flux": (4, 24, 12), "sd3": (4, 24, 12), "pixart": (4, 24)}  # text tokens, width[, pooled width]
+ROUTES = "routing.routes=[{selection_ratio: 0.5, start_layer_idx: 1, end_layer_idx: -2}]"
+
+
+def write_pretrained(family: str, folder: Path, **changes) -> Path:
+    import diffusers
+
+    torch.manual_seed(0)
+    getattr(diffusers, FAMILIES[family].model_class)(**{**TINY[family], **changes}).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """family -> pretrained folder, and "family_prompts" -> its random prompt table for the 10 digit classes."""
+    root = tmp_path_factory.mktemp("pretrained")
+    paths = {}
+    for family in TINY:
+        paths[family] = write_pretrained(family, root / family)
+        if family in TABLE_SIZES:
+            table = random_table(family, [f"a handwritten {d}" for d in range(10)], TABLE_SIZES[family])
+            paths[f"{family}_prompts"] = write_table(table, root / f"{family}.safetensors")
+    return paths
+
+
+def finetune(models, family: str, *extra: str) -> list[str]:
+    """Overrides that fine-tune the tiny `family` model with LoRA rank 4 and a route over blocks 1..2."""
+    args = ["objective=flow", "routing=random", ROUTES, f"finetune.family={family}", f"finetune.pretrained={models[family]}",
+            "finetune.lora.rank=4"]
+    if family in TABLE_SIZES:
+        args.append(f"finetune.prompts={models[family + '_prompts']}")
+    return [*args, *extra]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_cli_fine_tunes_flux_keeping_only_the_adapter_then_samples(models, tmp_path):
+    run = tmp_path / "run"
+    result = run_module("train", *FAST, *finetune(models, "flux"), "trainer.max_steps=3", "trainer.ckpt_every=3", f"run_dir={run}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"flux from {models['flux']}" in result.stdout
+
+    # model.safetensors and ema.safetensors hold the LoRA tensors only, with peft's keys.
+    ckpt = run / "checkpoints" / "step_0000003"
+    base = load_pretrained("flux", models["flux"])
+    full_bytes = (models["flux"] / "diffusion_pytorch_model.safetensors").stat().st_size
+    add_lora(base, rank=4)
+    expected = set(lora_state_dict(base))
+    weights, ema = load_file(ckpt / "model.safetensors"), load_file(ckpt / "ema.safetensors")
+    assert set(weights) == set(ema) == expected and all(".lora_" in k for k in expected)
+    assert (ckpt / "model.safetensors").stat().st_size < full_bytes / 4
+
+    # lora/ is the EMA adapter; load_lora and diffusers' own load_lora_adapter give the same network.
+    exported = load_file(ckpt / "lora" / "adapter_model.safetensors")
+    assert exported.keys() == ema.keys() and all(torch.equal(exported[k], ema[k]) for k in ema)
+    ours, theirs = load_pretrained("flux", models["flux"]), load_pretrained("flux", models["flux"])
+    load_lora(ours, ckpt / "lora")
+    theirs.load_lora_adapter(str(ckpt / "lora"), prefix=None, weight_name="adapter_model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(2, 1, 16, 16, generator=g), torch.rand(2, generator=g)
+    cond = {"encoder_hidden_states": torch.randn(2, 4, 24, generator=g), "pooled_projections": torch.randn(2, 12, generator=g)}
+    assert torch.equal(adapt(ours).eval()(x, t, cond), adapt(theirs).eval()(x, t, cond))
+
+    out = tmp_path / "grid.png"
+    sampled = run_module("train.sample", str(run), "--steps", "2", "--per-class", "1", "--guidance", "2", "--out", str(out))
+    assert sampled.returncode == 0, sampled.stderr[-3000:]
+    from PIL import Image
+
+    assert Image.open(out).size[1] > 10 * 16  # one row per class
+
+
+@pytest.mark.parametrize("family, extra", [
+    ("sd3", ["edm.loss=route_aware"]),
+    ("pixart", ["finetune.gradient_checkpointing=true"]),
+    ("dit", ["finetune.train=full"]),
+])
+def test_trainer_fine_tunes_each_family_through_its_routes(models, family, extra, tmp_path):
+    cfg = compose_cfg(*FAST, *finetune(models, family, *extra), "trainer.ckpt_every=2", f"run_dir={tmp_path / 'run'}")
+    trainer = Trainer(cfg)
+    model = trainer.backbone.pretrained
+    full = cfg.finetune.train == "full"
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert all(p.requires_grad == (full or ".lora_" in n) for n, p in model.named_parameters())
+    trained = [p for p in trainer.net.parameters() if p.requires_grad]
+    assert {id(p) for g in trainer.optimizer.param_groups for p in g["params"]} == {id(p) for p in trained}
+
+    assert all(torch.isfinite(torch.tensor(trainer.fit())))
+    # Routing was active in training: one route that processed some, not all, of the 64 image tokens.
+    (mask,) = trainer.backbone.router.last_masks
+    assert mask.shape[1] == 64 and (0 < mask.sum(1)).all() and (mask.sum(1) < 64).all()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    if full:
+        assert changed
+    else:
+        assert changed and all(".lora_" in n for n in changed)  # the base weights are untouched
+
+    # The EMA copies the trained tensors only; frozen ones are the network's own tensors.
+    ema_model = trainer.ema.module.model.pretrained
+    for (name, p), q in zip(model.named_parameters(), ema_model.parameters()):
+        assert (p is q) != p.requires_grad, name
+    saved = load_file(tmp_path / "run" / "checkpoints" / "step_0000002" / "model.safetensors")
+    assert set(saved) == (set(model.state_dict()) if full else set(lora_state_dict(model)))
+    assert (tmp_path / "run" / "checkpoints" / "step_0000002" / "lora").is_dir() != full
+
+
+def test_resume_continues_a_fine_tuning_run_exactly(models, tmp_path):
+    # LoRA dropout draws from the global RNG, which the checkpoint restores.
+    common = [*FAST, *finetune(models, "flux", "finetune.lora.dropout=0.1"), "trainer.batch_size=4"]
+    Trainer(compose_cfg(*common, "trainer.max_steps=4", "trainer.ckpt_every=4", f"run_dir={tmp_path / 'straight'}")).fit()
+    Trainer(compose_cfg(*common, "trainer.max_steps=2", "trainer.ckpt_every=2", f"run_dir={tmp_path / 'split'}")).fit()
+    Trainer(compose_cfg(*common, "trainer.max_steps=4", "trainer.ckpt_every=4", f"run_dir={tmp_path / 'split'}", "resume=true")).fit()
+    assert losses(tmp_path / "split") == losses(tmp_path / "straight") and len(losses(tmp_path / "straight")) == 4
+    for name in ("model.safetensors", "ema.safetensors"):
+        a, b = (load_file(tmp_path / run / "checkpoints" / "step_0000004" / name) for run in ("straight", "split"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+    # Another LoRA rank, or a base model whose config changed since, is refused; by load_run (train.sample) too.
+    with pytest.raises(ConfigError, match="does not fit this model"):
+        Trainer(compose_cfg(*common, "finetune.lora.rank=8", "trainer.max_steps=6", f"run_dir={tmp_path / 'split'}", "resume=true"))
+    other = write_pretrained("flux", tmp_path / "other", num_single_layers=3)
+    with pytest.raises(ConfigError, match=r"fine-tuned from a FluxTransformer2DModel whose config differs in \['num_single_layers'\]"):
+        Trainer(compose_cfg(*common, f"finetune.pretrained={other}", "trainer.max_steps=6", f"run_dir={tmp_path / 'split'}", "resume=true"))
+    moved = tmp_path / "moved"
+    shutil.copytree(models["flux"], moved)
+    run = tmp_path / "run"
+    Trainer(compose_cfg(*common, f"finetune.pretrained={moved}", "trainer.max_steps=1", "trainer.ckpt_every=1", f"run_dir={run}")).fit()
+    assert load_run(run).step == 1
+    write_pretrained("flux", moved, num_single_layers=3)
+    with pytest.raises(ConfigError, match="point finetune.pretrained at the model it was trained from"):
+        load_run(run)
+
+
+def test_bf16_base_weights_train_fp32_lora(models, tmp_path):
+    cfg = compose_cfg(*FAST, *finetune(models, "flux", "finetune.dtype=bf16", "trainer.mixed_precision=bf16"),
+                      "trainer.max_steps=1", f"run_dir={tmp_path / 'run'}")
+    trainer = Trainer(cfg)
+    assert all(torch.isfinite(torch.tensor(trainer.fit())))
+    dtypes = {(".lora_" in n, p.dtype) for n, p in trainer.backbone.pretrained.named_parameters()}
+    assert dtypes == {(False, torch.bfloat16), (True, torch.float32)}
+
+
+def test_prompt_conditioned_maps_labels_to_their_table_rows(models):
+    from train.data.prompts import read_table
+
+    table = read_table(models["flux_prompts"], "flux")
+    adapter = adapt(load_pretrained("flux", models["flux"])).eval()
+    net = PromptConditioned(adapter, table.tensors)
+    g = torch.Generator().manual_seed(0)
+    x, t, labels = torch.randn(3, 1, 16, 16, generator=g), torch.rand(3, generator=g), torch.tensor([0, 7, 10])
+    rows = {k: v[labels] for k, v in table.tensors.items()}
+    assert torch.equal(net(x, t, labels), adapter(x, t, rows))
+    assert torch.equal(net(x, t, None), adapter(x, t, {k: v[[10, 10, 10]] for k, v in table.tensors.items()}))  # the empty prompt
+
+
+def test_dit_drops_labels_only_where_the_trainer_does(models):
+    adapter = adapt(load_pretrained("dit", models["dit"])).train()
+    x, t, labels = torch.randn(64, 1, 16, 16), torch.rand(64), torch.arange(64) % 10
+    keep_labels(adapter.model)
+    torch.manual_seed(0)
+    first = adapter(x, t, labels)
+    torch.manual_seed(1)  # diffusers' own dropout would draw other drops from another global RNG state
+    assert torch.equal(adapter(x, t, labels), first)
+    assert torch.equal(adapter.eval()(x, t, labels), first)
+
+
+def test_trainable_ema_averages_like_timm_without_copying_frozen_weights():
+    from timm.utils import ModelEmaV3
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    net[0].requires_grad_(False)
+    ours, timm = TrainableEma(net, decay=0.9, use_warmup=True), ModelEmaV3(net, decay=0.9, use_warmup=True)
+    for step in range(1, 6):
+        with torch.no_grad():
+            net[1].weight.add_(1.0)
+        ours.update(net, step=step)
+        timm.update(net, step=step)
+    assert torch.equal(ours.module[1].weight, timm.module[1].weight) and not torch.equal(ours.module[1].weight, net[1].weight)
+    assert ours.module[0].weight is net[0].weight and timm.module[0].weight is not net[0].weight
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_presets_compose_into_a_checked_fine_tuning_config(models, family):
+    overrides = [f"+experiment=finetune_{family}", f"finetune.pretrained={models[family]}"]
+    if family in TABLE_SIZES:
+        overrides.append(f"finetune.prompts={models[family + '_prompts']}")
+    cfg = compose_cfg("run_dir=/tmp/unused", *overrides)
+    check_config(cfg)
+    assert cfg.finetune.family == family and cfg.objective.name == "flow" and cfg.routing.policy == "random"
+    assert cfg.routing.routes[0].selection_ratio == 0.5 and cfg.routing.routes[0].start_layer_idx == 2
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["finetune.family=flux"], "finetune.family=flux needs finetune.pretrained=<local folder"),
+    (["finetune.pretrained={flux}"], "finetune.pretrained is set but finetune.family is null"),
+    (["finetune.family=flux", "finetune.pretrained={flux}", "finetune.prompts={flux_prompts}"],
+     "fine-tuning trains with rectified flow, but objective=edm; add objective=flow."),
+    (["objective=flow", "finetune.family=sd3", "finetune.pretrained={sd3}"], "finetune.family=sd3 conditions on text; give finetune.prompts="),
+    (["objective=flow", "finetune.family=dit", "finetune.pretrained={dit}", "finetune.prompts={sd3_prompts}"],
+     "finetune.family=dit takes class labels itself; drop finetune.prompts."),
+    (["objective=flow", "finetune.family=flux", "finetune.pretrained={dit}", "finetune.prompts={flux_prompts}"],
+     "holds a DiTTransformer2DModel, not the FluxTransformer2DModel that family 'flux' needs"),
+    (["objective=flow", "finetune.family=dit", "finetune.pretrained={dit}", "finetune.train=full", "finetune.dtype=bf16"],
+     "finetune.train=full trains every weight, which stays fp32; set finetune.dtype=fp32"),
+    (["objective=flow", "finetune.family=dit", "finetune.pretrained={dit}", "finetune.dtype=bf16"], "add trainer.mixed_precision=bf16."),
+    (["objective=flow", "finetune.family=dit", "finetune.pretrained={dit}", "finetune.dtype=bf16", "trainer.mixed_precision=bf16",
+      "routing.fp32_after_route=true"], "which bf16 base weights (finetune.dtype=bf16) cannot"),
+    (["objective=flow", "finetune.family=dit", "finetune.pretrained={dit}", "trainer.compile=true"], "drop trainer.compile."),
+])
+def test_config_refusals_name_the_key_and_the_fix(models, overrides, message):
+    with pytest.raises(ConfigError) as err:
+        check_config(compose_cfg("run_dir=/tmp/unused", *(o.format(**models) for o in overrides)))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_build_refuses_data_the_model_or_table_does_not_fit(models, tmp_path):
+    few = write_table(random_table("flux", ["a", "b", "c"], TABLE_SIZES["flux"]), tmp_path / "three.safetensors")
+    narrow = write_table(random_table("flux", [str(d) for d in range(10)], (4, 16, 12)), tmp_path / "narrow.safetensors")
+    cases = [
+        (finetune(models, "flux", f"finetune.prompts={few}"), "data.name=digits has 10 classes, but finetune.prompts="),
+        (finetune(models, "flux", f"finetune.prompts={models['sd3_prompts']}"), "was encoded for sd3, not flux"),
+        (finetune(models, "flux", f"finetune.prompts={narrow}"),
+         "prompt table's encoder_hidden_states is 16 wide, but this FluxTransformer2DModel's joint_attention_dim is 24"),
+        (finetune(models, "dit", "data=shapes"), "gives 3x32x32 inputs, but the pretrained DiTTransformer2DModel in"),
+    ]
+    other = write_pretrained("dit", tmp_path / "dit1000", num_embeds_ada_norm=1000)
+    cases.append((finetune(models, "dit", f"finetune.pretrained={other}"), "has 10 classes, but the pretrained DiTTransformer2DModel"))
+    for i, (overrides, message) in enumerate(cases):
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            Trainer(compose_cfg(*FAST, *overrides, f"run_dir={tmp_path / str(i)}"))
+
+
+def test_cli_names_what_to_fetch_for_a_missing_pretrained_folder(tmp_path, capsys):
+    from train.cli import precompose  # what `python -m train` runs before Hydra makes the run folder
+
+    with pytest.raises(SystemExit) as exit_:
+        precompose("config", ["objective=flow", "finetune.family=flux", f"finetune.pretrained={tmp_path / 'FLUX.1-dev'}",
+                              f"run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "huggingface-cli download black-forest-labs/FLUX.1-dev --include 'transformer/*'" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_documented_cpu_demo_runs(tmp_path):
+    """docs/finetuning.md's tiny-Flux Fashion-MNIST commands, for 2 steps on a few fake Fashion-MNIST images."""
+    import runpy
+
+    from test_fashion_mnist import fake_fashion
+
+    script = runpy.run_path(str(Path(__file__).parents[1] / "docs" / "finetune_tiny_flux.py"))
+    script["main"](["--write-pretrained", str(tmp_path / "pretrained"), "--latent-channels", "1"])
+    prompts = write_table(random_table("flux", [f"class {k}" for k in range(10)], (8, 64, 32)), tmp_path / "prompts.safetensors")
+    demo = ["+experiment=finetune_flux", "data=fashion_mnist", f"data.path={fake_fashion(tmp_path / 'fm')}",
+            f"finetune.pretrained={tmp_path / 'pretrained'}", f"finetune.prompts={prompts}", "finetune.dtype=fp32",
+            "finetune.gradient_checkpointing=false", "trainer.mixed_precision=no", "trainer.cpu=true", "trainer.lr=1e-3"]
+    trainer = Trainer(compose_cfg(*demo, "trainer.max_steps=2", "trainer.batch_size=4", "trainer.sample_every=0",
+                                  "trainer.ckpt_every=0", f"run_dir={tmp_path / 'run'}"))
+    assert trainer.backbone.depth == 6 and [(r.start_layer_idx, r.end_layer_idx) for r in trainer.backbone.router.routes] == [(2, 4)]
+    assert all(torch.isfinite(torch.tensor(trainer.fit())))
