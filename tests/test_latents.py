@@ -25,7 +25,7 @@ PER_CLASS = 4
 IMAGE_SIZE = 16
 
 
-def make_vae(path: Path) -> Path:
+def make_vae(path: Path, **config) -> Path:
     from diffusers import AutoencoderKL
 
     torch.manual_seed(0)
@@ -37,6 +37,7 @@ def make_vae(path: Path) -> Path:
         latent_channels=4,
         norm_num_groups=8,
         sample_size=32,
+        **config,
     )
     vae.save_pretrained(path)
     return path
@@ -251,3 +252,19 @@ def test_two_training_steps_on_cached_latents(cached, tmp_path):
 def test_missing_local_vae_is_one_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="huggingface-cli download"):
         load_vae(str(tmp_path / "no-such-vae"))
+
+
+def test_scale_applies_a_shifted_vae_convention_and_decodes_back(cached, tmp_path):
+    # Flux's and SD3's VAEs shift as well as scale: their transformers see (z - shift_factor) * scaling_factor.
+    vae = make_vae(tmp_path / "vae", scaling_factor=0.3611, shift_factor=0.1159)
+    meta = cache_latents(cache_args(cached["images"], tmp_path / "out", vae))
+    assert meta["scaling_factor"] == 0.3611 and meta["shift_factor"] == 0.1159
+    dataset = build(data_cfg(tmp_path / "out", normalize="scale"), sigma_data=0.5)
+    shard = load_file(str(tmp_path / "out" / "shard-00000.safetensors"))
+    eps = torch.randn((1, 4, 8, 8), generator=torch.Generator().manual_seed(3))
+    z = torch.from_numpy(shard["mean"][:1]).float() + torch.from_numpy(shard["std"][:1]).float() * eps
+    x, _ = dataset.get(torch.tensor([0]), torch.Generator().manual_seed(3))
+    torch.testing.assert_close(x, (z - 0.1159) * 0.3611)
+    torch.testing.assert_close(dataset.from_model_space(x), z)  # what the VAE decodes
+    # An SD-VAE cache (no shift) reads as before.
+    assert build(data_cfg(cached["out"], normalize="scale"), sigma_data=0.5).shift_factor == 0.0

@@ -174,13 +174,15 @@ def _finish_shard(path: Path, parts: dict, vae, size: int, storage: torch.dtype)
     metadata = {name: json.dumps(value.tolist()) for name, value in sums.items()}
     metadata["values_per_channel"] = str(mean.numel() // channels)
     metadata["scaling_factor"] = repr(float(vae.config.scaling_factor))
+    # Flux's and SD3's VAEs also shift: their transformers see (z - shift_factor) * scaling_factor.
+    metadata["shift_factor"] = repr(float(getattr(vae.config, "shift_factor", None) or 0.0))
     metadata["skipped"] = json.dumps(parts["failed"])
     _write_shard(path, {"mean": mean, "std": std, "labels": labels}, metadata)
 
 
 def _write_summary(out: Path, plan: dict, num_shards: int) -> dict:
     """meta.json (complete) and stats.json from the headers of all shards."""
-    shards, skipped, scaling_factors = [], [], set()
+    shards, skipped, scaling_factors, shift_factors = [], [], set(), set()
     sums = {"sum_mean": 0.0, "sum_mean_sq": 0.0, "sum_var": 0.0}
     values = 0
     latent_shape = None
@@ -193,6 +195,7 @@ def _write_summary(out: Path, plan: dict, num_shards: int) -> dict:
         shards.append({"file": shard_name(k), "count": count})
         skipped += json.loads(metadata["skipped"])
         scaling_factors.add(float(metadata["scaling_factor"]))
+        shift_factors.add(float(metadata.get("shift_factor", 0.0)))
         values += int(metadata["values_per_channel"])
         for name in sums:
             sums[name] = sums[name] + np.array(json.loads(metadata[name]))
@@ -200,7 +203,7 @@ def _write_summary(out: Path, plan: dict, num_shards: int) -> dict:
         raise ConfigError(f"--images {plan['images']!r}: no image could be read, nothing was cached.")
 
     # Statistics of the scaled training samples z = s * (mean + std * eps): Var = s^2 (Var[mean] + E[std^2]).
-    (scaling_factor,) = scaling_factors
+    (scaling_factor,), (shift_factor,) = scaling_factors, shift_factors
     s = scaling_factor
     channel_mean = sums["sum_mean"] / values
     channel_var = sums["sum_mean_sq"] / values - channel_mean**2 + sums["sum_var"] / values
@@ -215,6 +218,7 @@ def _write_summary(out: Path, plan: dict, num_shards: int) -> dict:
         complete=True,
         latent_shape=list(latent_shape),
         scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
         num_latents=sum(shard["count"] for shard in shards),
         shards=shards,
         skipped={"count": len(skipped), "files": skipped},

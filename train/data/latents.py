@@ -130,6 +130,7 @@ class LatentDataset:
         self.class_names: list[str] = list(self.meta["class_names"])
         self.shape: tuple[int, int, int] = tuple(self.meta["latent_shape"])
         self.scaling_factor = float(self.meta["scaling_factor"])
+        self.shift_factor = float(self.meta.get("shift_factor", 0.0))  # caches written before it was recorded: SD-VAE, 0
         self.vae_path: str = vae or self.meta["vae"]
         self.normalize = normalize
         self.sigma_data = float(sigma_data)
@@ -154,8 +155,9 @@ class LatentDataset:
             a = self.scaling_factor * self.sigma_data / channel_std
             b = -channel_mean * self.sigma_data / channel_std
         else:
+            # The VAE's own convention, (z - shift_factor) * scaling_factor: what a pretrained transformer was trained on.
             a = torch.full_like(channel_mean, self.scaling_factor)
-            b = torch.zeros_like(channel_mean)
+            b = torch.full_like(channel_mean, -self.scaling_factor * self.shift_factor)
         self._a, self._b = a.view(1, -1, 1, 1), b.view(1, -1, 1, 1)  # (C,) -> (1, C, 1, 1)
 
         self._shards: dict[int, dict[str, np.ndarray]] = {}
