@@ -55,10 +55,18 @@ def test_sampling_study_groups_training_seeds_and_compares_objectives(tmp_path):
                           *budgets[objective], timeout=240)
         assert done.returncode == 0, done.stderr[-3000:]
         runs += [str(out / "runs" / f"dit-random-s{seed}") for seed in (0, 1)]
-    sampling.main([*runs, "--gammas", "0.5", "--cfg", "2", "--rg", "2,0,0.5", "2,0,0.5,uncond", "--steps", "2", "--per-class", "2",
-                   "--num-real", "16", "--cache-dir", str(tmp_path / "edm" / "classifier"), "--threads", "1",
-                   "--out", str(tmp_path / "study")])
+    study = [*runs, "--gammas", "0.5", "--cfg", "2", "--rg", "2,0,0.5", "2,0,0.5,uncond", "--steps", "2", "--per-class", "2",
+             "--num-real", "16", "--cache-dir", str(tmp_path / "edm" / "classifier"), "--threads", "1", "--out", str(tmp_path / "study")]
+    sampling.main(study[:2] + study[4:])  # the EDM runs first (a separate process could take the flow runs)
+    sampling.main(study)  # all runs: the EDM rows are reused, not sampled again
+    saved = sorted((tmp_path / "study" / "rows").glob("*.json"))
+    assert len(saved) == 4 * 5
+    mtimes = [p.stat().st_mtime_ns for p in saved]
+    first = json.loads((tmp_path / "study" / "table.json").read_text())
+    sampling.main(study)
+    assert [p.stat().st_mtime_ns for p in saved] == mtimes
     table = json.loads((tmp_path / "study" / "table.json").read_text())
+    assert table["rows"] == first["rows"]
     agg = {(a["group"], a["rule"]): a for a in table["aggregate"]}
     assert {g for g, _ in agg} == {"edm dit-random", "flow dit-random"}
     assert agg[("edm dit-random", "plain")]["steps_trained"] == 2 and agg[("flow dit-random", "plain")]["steps_trained"] == 6

@@ -13,14 +13,17 @@ With two groups (e.g. EDM and flow trained for the same budget) it also reports 
 
 Cost per image: the FLOPs of generating one image with the rule (every network evaluation, both guidance
 branches and forced routing included; torch.utils.flop_counter) and the number of network evaluations.
-Writes table.md, table.json and quality_vs_flops.png under --out.
+Writes table.md, table.json and quality_vs_flops.png under --out. Each (run, rule) measurement is saved under
+--out/rows/ with the settings it was made under, so a killed study resumes, and runs sampled by separate calls
+(processes) are combined by one more call over all of them.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import matplotlib
@@ -33,7 +36,7 @@ from omegaconf import open_dict  # noqa: E402
 from edm import generate, with_routing_guidance  # noqa: E402
 from routing import ConfigError  # noqa: E402
 from train.bench.stats import summary, verdict, welch_difference  # noqa: E402
-from train.bench.store import write_json_atomic  # noqa: E402
+from train.bench.store import reuse_or_compute, write_json_atomic  # noqa: E402
 from train.bench.timing import count_flops  # noqa: E402
 from train.build import objective_name  # noqa: E402
 from train.checkpoint import load_run  # noqa: E402
@@ -110,7 +113,7 @@ def group_of(cfg) -> str:
 
 
 def evaluate(run: str, rule_list: list[Rule], args) -> list[dict]:
-    """One row per rule for one run."""
+    """One row per rule for one run; each row is saved under --out with its settings and reused by a later call."""
     loaded = load_run(run, args.device)
     ds = loaded.dataset
     real, where = reference(loaded)
@@ -120,14 +123,21 @@ def evaluate(run: str, rule_list: list[Rule], args) -> list[dict]:
     labels = grid_labels(ds.num_classes, args.per_class)
     rows = []
     for rule in rule_list:
-        flops = count_flops(lambda: sample(loaded, rule, labels[:1], args.steps, args.seed, args.device))
-        scores = sample_scores(classifier, sample(loaded, rule, labels, args.steps, args.seed, args.device), labels, real_features)
+        def measure(rule=rule) -> dict:
+            flops = count_flops(lambda: sample(loaded, rule, labels[:1], args.steps, args.seed, args.device))
+            scores = sample_scores(classifier, sample(loaded, rule, labels, args.steps, args.seed, args.device), labels, real_features)
+            print(f"{run} | {rule.name:24s} | {flops / 1e9:8.3f} GFLOPs/image | classifier-FD {scores['classifier_fd']:.3f} | "
+                  f"class accuracy {scores['class_accuracy']:.1%}", flush=True)
+            return {"gflops_per_image": flops / 1e9, "evaluations": evaluations_per_image(loaded, rule, args.steps, args.device),
+                    **scores}
+        settings = {"checkpoint": str(loaded.checkpoint.resolve()), "step": loaded.step, "rule": asdict(rule),
+                    "steps": args.steps, "per_class": args.per_class, "num_real": count, "seed": args.seed,
+                    "classifier": meta["config"], "device": args.device}
+        name = f"{loaded.checkpoint.resolve()}-{rule.name}".replace("/", "_").replace(" ", "_")
+        measured = reuse_or_compute(args.out / "rows" / f"{name}.json", settings, measure, f"{run}: {rule.name}")
         rows.append({"run": run, "group": group_of(loaded.cfg), "seed": loaded.cfg.seed, "step": loaded.step, "rule": rule.name,
-                     "kind": rule.kind, "gflops_per_image": flops / 1e9,
-                     "evaluations": evaluations_per_image(loaded, rule, args.steps, args.device), **scores,
+                     "kind": rule.kind, **{k: measured[k] for k in ("gflops_per_image", "evaluations", *SCORES)},
                      "reference": f"{count} {where} images", "classifier_accuracy": meta["heldout_accuracy"]})
-        print(f"{run} | {rule.name:24s} | {flops / 1e9:8.3f} GFLOPs/image | classifier-FD {scores['classifier_fd']:.3f} | "
-              f"class accuracy {scores['class_accuracy']:.1%}", flush=True)
     return rows
 
 
@@ -258,6 +268,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 @friendly_errors
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the store's "reused ..." lines
     if args.threads:
         torch.set_num_threads(args.threads)
     rule_list = rules(args.gammas, args.cfg, args.rg)
