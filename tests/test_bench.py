@@ -187,3 +187,30 @@ def test_report_compares_routed_rows_with_unrouted_and_moe_rows_with_their_basel
             "classifier": {"heldout_accuracy": 1.0, "config": {"feature_dim": 8}}}
     text = markdown(list(rows.values()), meta)
     assert "| diffmoe | dit | none | +0.1000" in text and "| dit | random | -0.1000" in text
+
+
+def test_a_cell_killed_after_its_last_checkpoint_resumes_and_measured_only_trains_nothing(tmp_path):
+    out = tmp_path / "bench"
+    args = ("bench=smoke", f"out_dir={out}", "grid.backbones=[dit]", "grid.routings=[none]", "eval.every=1", "eval.keep_final=true")
+    first = run_module("train.bench", *args, timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    cell = out / "cells" / "dit-none-s0.json"
+    before = json.loads(cell.read_text())
+    assert before["resumed_at_step"] is None
+
+    # Killed while scoring: the final checkpoint is on disk, the cell's result is not.
+    cell.unlink()
+    second = run_module("train.bench", *args, timeout=240)
+    assert second.returncode == 0, second.stderr[-3000:]
+    after = json.loads(cell.read_text())
+    assert "resumed from" in second.stdout + second.stderr
+    assert after["resumed_at_step"] == after["train_steps"] == 2
+    # The same weights, scored again: the same numbers; the clock continues the killed attempt's.
+    for key in ("ema_loss", "classifier_fd", "class_accuracy", "train_seconds"):
+        assert after[key] == pytest.approx(before[key], rel=1e-6), key
+
+    # The table from what is measured: seed 1 is missing, named, and not trained.
+    partial = run_module("train.bench", *args, "seeds=[0,1]", "measured_only=true", timeout=240)
+    assert partial.returncode == 0, partial.stderr[-3000:]
+    assert "dit-none-s1" in partial.stdout + partial.stderr and not (out / "runs" / "dit-none-s1").exists()
+    assert [r["seeds"] for r in json.loads((out / "table.json").read_text())["rows"]] == [1]

@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
 from torch import nn
 from tqdm.auto import tqdm
@@ -22,10 +22,12 @@ from train.bench.cells import Cell
 from train.bench.moe import LoadRecorder
 from train.bench.timing import now, training_step
 from train.build import build_backbone_for, objective_for
+from train.checkpoint import latest_checkpoint
 from train.data import build_dataset
 from train.grid import grid_labels, save_grid
 from train.metrics.classifier import SmallCNN, features, sample_scores
 from train.metrics.heldout import HeldOutReference
+from train.schema import resume_changes
 from train.trainer import Trainer
 
 STALL = 2.0  # a training step slower than STALL x the cell's median step was slowed down by something else
@@ -133,10 +135,19 @@ def warm_up(pairs: list[Cell], shape: tuple[int, ...], num_classes: int, bench: 
 def train_and_score(cell: Cell, evaluation: Evaluation, out: Path) -> dict:
     """Train one cell for the budget with the real Trainer, then score its EMA model."""
     run_dir = Path(cell.cfg.run_dir)
-    shutil.rmtree(run_dir, ignore_errors=True)  # an interrupted attempt restarts: the budget must be one whole run
+    resumed_at = interrupted_step(cell.cfg)
+    if resumed_at is None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    else:
+        cell.cfg.resume = "auto"  # resume is exact (tests/test_resume.py), so the cell trains the same model
     trainer = Trainer(cell.cfg)
     trainer.fit()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    if resumed_at is not None:
+        # The resumed process counts seconds from zero; continue the clock of the interrupted one.
+        offset = next(m["seconds"] for m in reversed(metrics) if m["step"] <= resumed_at)
+        for m in metrics:
+            m["seconds"] += offset if m["step"] > resumed_at else 0.0
     scores, samples = evaluation.score(trainer.ema.module)
     save_grid(evaluation.dataset.to_images(samples), out / "samples" / f"{cell.name}.png", per_row=evaluation.cfg.per_class)
     seconds = metrics[-1]["seconds"]
@@ -148,8 +159,22 @@ def train_and_score(cell: Cell, evaluation: Evaluation, out: Path) -> dict:
         "train_steps": trainer.step, "train_seconds": seconds, "stalled_seconds": stalled_seconds([m["seconds"] for m in metrics]),
         "images_per_s": trainer.step * cell.cfg.trainer.batch_size / seconds,
         "curve": {key: [m[key] for m in metrics] for key in ("step", "seconds", "loss")},
-        "date": now(), "load_average": os.getloadavg(),
+        "resumed_at_step": resumed_at, "date": now(), "load_average": os.getloadavg(),
     }
+
+
+def interrupted_step(cfg: DictConfig) -> int | None:
+    """The step of the latest checkpoint a killed attempt of this very cell left, when it can be continued.
+
+    A step budget can be continued from a checkpoint; a wall-clock budget (trainer.max_minutes) cannot, since
+    the time before the kill is not comparable, so that attempt restarts and the budget stays one whole run.
+    """
+    run_dir = Path(cfg.run_dir)
+    latest = latest_checkpoint(run_dir / "checkpoints")
+    if cfg.trainer.get("max_minutes") or latest is None or not (run_dir / "config.yaml").exists():
+        return None
+    refused, applied = resume_changes(OmegaConf.load(run_dir / "config.yaml"), cfg)
+    return None if refused or applied else int(latest.name.removeprefix("step_"))
 
 
 def score_checkpoints(ema: nn.Module, root: Path, evaluation: Evaluation, metrics: list[dict], at_step: int | None,

@@ -46,7 +46,7 @@ from train.bench.cost import measure_costs, speedups
 from train.bench.plots import plot_bars, plot_loss_curves, plot_quality_curves
 from train.bench.quality import Evaluation, held_out_split, train_and_score, warm_up
 from train.bench.report import table_rows, write_tables
-from train.bench.store import reuse_or_compute
+from train.bench.store import reuse_or_compute, saved_result
 from train.bench.timing import now
 from train.build import objective_name
 from train.data import build_dataset
@@ -146,10 +146,22 @@ def run(bench: DictConfig) -> list[dict]:
     warm = functools.cache(lambda: warm_up(pairs, dataset.shape, dataset.num_classes, bench))  # once, if any cell trains
     shard = parse_shard(bench.get("shard"))
     mine = [c for i, c in enumerate(cells) if shard is None or i % shard[1] == shard[0]]
+    missing = []
     for cell in tqdm(mine, desc="quality: cells", dynamic_ncols=True):
         settings = {"train": OmegaConf.to_container(cell.cfg, resolve=True), **eval_settings}
+        path = out / "cells" / f"{cell.name}.json"
+        if bench.get("measured_only"):
+            saved = saved_result(path, json.loads(json.dumps(settings)))
+            runs[cell.key] += [saved] if saved else []
+            missing += [] if saved else [cell.name]
+            continue
         compute = lambda cell=cell: warm() or train_and_score(cell, evaluation, out)  # noqa: E731
-        runs[cell.key].append(reuse_or_compute(out / "cells" / f"{cell.name}.json", settings, compute, f"cell {cell.name}"))
+        runs[cell.key].append(reuse_or_compute(path, settings, compute, f"cell {cell.name}"))
+    if missing:
+        log.warning(f"measured_only: {len(missing)} cells are not measured yet and stay out of the table: {', '.join(missing)}")
+        pairs = [c for c in pairs if runs[c.key]]
+        if not pairs:
+            raise ConfigError("measured_only=true but no cell of this grid is measured yet; run without it to train them.")
     if shard is not None:
         log.info(f"shard {shard[0]}/{shard[1]}: its {len(mine)} cells are done; once every shard is, run the command without "
                  "shard= to write the table (it reuses every cell).")

@@ -18,17 +18,25 @@ def write_json_atomic(path: Path, obj: dict) -> None:
     os.replace(tmp, path)  # a killed run leaves the old file or the new one, never half of one
 
 
+def saved_result(path: Path, settings: dict) -> dict | None:
+    """The result saved at `path` if it was measured with exactly `settings` (JSON-normal form), else None."""
+    if not path.exists():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+    return saved if saved.get("settings") == settings else None
+
+
 def reuse_or_compute(path: Path, settings: dict, compute: Callable[[], dict], what: str) -> dict:
     """The result saved at `path` if it was measured with exactly `settings`, else `compute()` (then saved)."""
     settings = json.loads(json.dumps(settings))  # JSON-normal form (tuples -> lists), as it is read back
+    saved = saved_result(path, settings)
+    if saved is not None:
+        log.info(f"reused {what} from {path}")
+        return saved
     if path.exists():
-        try:
-            saved = json.loads(path.read_text())
-        except json.JSONDecodeError:
-            saved = {}
-        if saved.get("settings") == settings:
-            log.info(f"reused {what} from {path}")
-            return saved
         log.info(f"{path} was measured with other settings; measuring {what} again")
     result = {"settings": settings, **compute()}
     write_json_atomic(path, result)
