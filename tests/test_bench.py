@@ -214,3 +214,4 @@ def test_a_cell_killed_after_its_last_checkpoint_resumes_and_measured_only_train
     assert partial.returncode == 0, partial.stderr[-3000:]
     assert "dit-none-s1" in partial.stdout + partial.stderr and not (out / "runs" / "dit-none-s1").exists()
     assert [r["seeds"] for r in json.loads((out / "table.json").read_text())["rows"]] == [1]
+    assert "not measured yet: dit-none-s1" in (out / "table.md").read_text()

@@ -81,7 +81,7 @@ COLUMNS = {  # key: (markdown header, format)
     "ideal_speedup": ("FLOP-ideal speedup", "{:.2f}x"), "measured_speedup": ("measured speedup (2)", "{:.2f}x"),
     "efficiency": ("efficiency", "{:.2f}"), "step_ms": ("step ms", "{:.0f}"),
     "saved_activation_mb": ("saved activations MB (3)", "{:.1f}"), "peak_memory_mb": ("peak memory MB", "{:.0f}"),
-    "train_steps": ("steps in budget (4)", "{:.0f}"), "images_per_s": ("img/s", "{:.0f}"),
+    "seeds": ("seeds", "{}"), "train_steps": ("steps in budget (4)", "{:.0f}"), "images_per_s": ("img/s", "{:.0f}"),
     "ema_loss": ("EMA loss (5)", "{:.4f}"), "classifier_fd": ("classifier-FD (6)", "{:.2f}"),
     "class_accuracy": ("class accuracy (6)", "{:.1%}"),
     "at_step": ("matched step (7)", "{}"), "at_step_ema_loss": ("EMA loss @ step", "{:.4f}"),
@@ -132,7 +132,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"batch {q['batch_size']}, seeds {q['seeds']}; ablation = routing.allow_unstructured=true (a random subset "
         f"without a grid on a scan-order backbone). † more than {NOISY:.0%} of the budget went to steps slower than "
         f"{STALL:g}x the cell's median step (another job on the machine): that cell trained fewer steps than it could "
-        "have; delete its cells/<cell>.json and re-run the command to redo it.",
+        "have; delete its cells/<cell>.json and re-run the command to redo it."
+        + (f" measured_only=true: the rows hold the seeds measured so far; not measured yet: {', '.join(q['missing'])}."
+           if q.get("missing") else ""),
         f"(5) {q.get('objective', 'edm').upper()} loss of the EMA model (eval mode, unrouted) on a fixed batch of "
         f"{e['loss_batch']} images ({e['reference']}) with fixed noise levels and noise, identical for every cell.",
         f"(6) {e['samples']} class-conditional samples (Heun, {e['steps']} steps, guidance {e['guidance']}, seed "

@@ -185,7 +185,7 @@ def run(bench: DictConfig) -> list[dict]:
         "timing": {**OmegaConf.to_container(bench.timing), "tokens": next(iter(cost["cells"].values()))["tokens"]},
         "train": {"budget": budget, "data": f"{dataset.name} {'x'.join(map(str, dataset.shape))}", "batch_size": t.batch_size,
                   "tokens": dataset.shape[1] * dataset.shape[2] // cfg.backbone.patch_size**2, "objective": objective_name(cfg),
-                  "seeds": seeds},
+                  "seeds": seeds, "missing": missing},
         "eval": {"loss_batch": len(evaluation.y), "reference": evaluation.reference, "samples": len(evaluation.sample_labels),
                  "num_real": len(evaluation.real_features), "real_scores": evaluation.real_scores, "floor": evaluation.floor,
                  "every": bench.eval.get("every") or 0, "at_steps": dict(bench.eval.get("at_steps") or {}),
