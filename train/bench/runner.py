@@ -151,7 +151,7 @@ def run(bench: DictConfig) -> list[dict]:
         settings = {"train": OmegaConf.to_container(cell.cfg, resolve=True), **eval_settings}
         path = out / "cells" / f"{cell.name}.json"
         if bench.get("measured_only"):
-            saved = saved_result(path, json.loads(json.dumps(settings)))
+            saved = saved_result(path, settings)
             runs[cell.key] += [saved] if saved else []
             missing += [] if saved else [cell.name]
             continue

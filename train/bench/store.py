@@ -19,7 +19,8 @@ def write_json_atomic(path: Path, obj: dict) -> None:
 
 
 def saved_result(path: Path, settings: dict) -> dict | None:
-    """The result saved at `path` if it was measured with exactly `settings` (JSON-normal form), else None."""
+    """The result saved at `path` if it was measured with exactly `settings`, else None."""
+    settings = json.loads(json.dumps(settings))  # JSON-normal form (tuples -> lists), as it is read back
     if not path.exists():
         return None
     try:
@@ -31,13 +32,12 @@ def saved_result(path: Path, settings: dict) -> dict | None:
 
 def reuse_or_compute(path: Path, settings: dict, compute: Callable[[], dict], what: str) -> dict:
     """The result saved at `path` if it was measured with exactly `settings`, else `compute()` (then saved)."""
-    settings = json.loads(json.dumps(settings))  # JSON-normal form (tuples -> lists), as it is read back
     saved = saved_result(path, settings)
     if saved is not None:
         log.info(f"reused {what} from {path}")
         return saved
     if path.exists():
         log.info(f"{path} was measured with other settings; measuring {what} again")
-    result = {"settings": settings, **compute()}
+    result = {"settings": json.loads(json.dumps(settings)), **compute()}
     write_json_atomic(path, result)
     return result
