@@ -215,3 +215,11 @@ def test_a_cell_killed_after_its_last_checkpoint_resumes_and_measured_only_train
     assert "dit-none-s1" in partial.stdout + partial.stderr and not (out / "runs" / "dit-none-s1").exists()
     assert [r["seeds"] for r in json.loads((out / "table.json").read_text())["rows"]] == [1]
     assert "not measured yet: dit-none-s1" in (out / "table.md").read_text()
+
+
+@pytest.mark.parametrize("key", ["measured_only=maybe", "shard=2/2"])
+def test_a_bad_invocation_key_is_one_sentence_before_any_work(tmp_path, key):
+    bad = run_module("train.bench", "bench=smoke", f"out_dir={tmp_path / 'bench'}", key, timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    assert key.split("=")[0] in bad.stderr
+    assert not (tmp_path / "bench" / "cost.json").exists()  # refused before the cost phase

@@ -101,6 +101,11 @@ def run(bench: DictConfig) -> list[dict]:
         torch.set_num_threads(bench.threads)
     out = Path(bench.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    # Keys that only steer this invocation are checked before the cost phase, not minutes into it.
+    shard = parse_shard(bench.get("shard"))
+    measured_only = bench.get("measured_only", False)
+    if not isinstance(measured_only, bool):
+        raise ConfigError(f"measured_only={measured_only!r} must be true or false (true: the table from the cells measured so far).")
     grid, seeds = bench.grid, list(bench.seeds)
     if not grid.backbones or not grid.routings or not seeds:
         raise ConfigError("grid.backbones, grid.routings and seeds must each name at least one entry.")
@@ -144,13 +149,12 @@ def run(bench: DictConfig) -> list[dict]:
     eval_settings = {"eval": OmegaConf.to_container(bench.eval), "classifier": clf_meta, "device": bench.device, "threads": bench.threads}
     runs: dict[str, list[dict]] = {c.key: [] for c in pairs}
     warm = functools.cache(lambda: warm_up(pairs, dataset.shape, dataset.num_classes, bench))  # once, if any cell trains
-    shard = parse_shard(bench.get("shard"))
     mine = [c for i, c in enumerate(cells) if shard is None or i % shard[1] == shard[0]]
     missing = []
     for cell in tqdm(mine, desc="quality: cells", dynamic_ncols=True):
         settings = {"train": OmegaConf.to_container(cell.cfg, resolve=True), **eval_settings}
         path = out / "cells" / f"{cell.name}.json"
-        if bench.get("measured_only"):
+        if measured_only:
             saved = saved_result(path, settings)
             runs[cell.key] += [saved] if saved else []
             missing += [] if saved else [cell.name]
