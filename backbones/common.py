@@ -1,7 +1,8 @@
 """The skeleton every family shares: patchify, positions, embedders, adaLN-Zero, final layer, unpatchify.
 
 A family only supplies its block class; `Backbone` runs the stack through the shared `Router`, so
-token routing plugs in at one place for DiT, RWKV and Mamba alike.
+token routing plugs in at one place for DiT, RWKV and Mamba alike. SPRINT routes add one learned part, the
+fusion of the sparse-deep and dense-shallow paths (`SparseDenseFusion`), which the skeleton owns.
 """
 
 from __future__ import annotations
@@ -102,6 +103,24 @@ class FinalLayer(nn.Module):
         return self.linear(modulate(self.norm(x), shift, scale))
 
 
+class SparseDenseFusion(nn.Module):
+    """SPRINT's fusion at the end of a sparse route: Linear(2D -> D) over concat(deep path, shallow path).
+
+    The mask token fills the positions that bypassed the route. It is a fixed random vector, not trained
+    (SPRINT's release draws it N(0, 0.02^2) and freezes it), kept as a buffer so checkpoints carry it.
+    """
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.register_buffer("mask_token", torch.randn(1, 1, hidden_size) * 0.02)  # (1, 1, D)
+        self.proj = nn.Linear(2 * hidden_size, hidden_size)
+        nn.init.xavier_uniform_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, deep: torch.Tensor, shallow: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.cat([deep, shallow], dim=-1))  # 2 x (B, N, D) -> (B, N, 2D) -> (B, N, D)
+
+
 class Backbone(nn.Module):
     """F(x, c_noise, class_labels) for any block family: patchify -> blocks (via the router) -> unpatchify."""
 
@@ -134,7 +153,9 @@ class Backbone(nn.Module):
         self.y_embedder = LabelEmbedder(num_classes, hidden_size)
         self.blocks = nn.ModuleList(block_cls(hidden_size, i, depth, **block_kwargs) for i in range(depth))
         self.final_layer = FinalLayer(hidden_size, patch_size, in_channels)
+        self.hidden_size = hidden_size
         self.router = Router()
+        self.fusions = nn.ModuleDict()  # SPRINT routes' fusion layers, by str(start_layer_idx); see attach_router
         # Patch embedding initialised like a linear layer (DiT does the same).
         w = self.x_embedder.proj.weight
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
@@ -144,11 +165,18 @@ class Backbone(nn.Module):
     def depth(self) -> int:
         return len(self.blocks)
 
+    def attach_router(self, router: Router) -> None:
+        """Route through `router`, with a fusion layer for each of its SPRINT routes (TREAD routes add nothing,
+        so their models keep the parameters, state-dict keys and outputs they always had)."""
+        self.router = router
+        self.fusions = nn.ModuleDict({str(r.start_layer_idx): SparseDenseFusion(self.hidden_size)
+                                      for r in router.routes if r.mode == "sprint"})
+
     def forward(self, x: torch.Tensor, c_noise: torch.Tensor, class_labels: torch.Tensor | None = None) -> torch.Tensor:
         b = x.shape[0]
         tokens = self.x_embedder(x) + self.pos_embed  # (B, C, H, W) -> (B, N, D)
         c = self.t_embedder(c_noise) + self.y_embedder(class_labels, b, x.device)  # (B, D)
-        tokens = self.router.run(self.blocks, tokens, c, self.grid, self.training)
+        tokens = self.router.run(self.blocks, tokens, c, self.grid, self.training, fusions=self.fusions)
         return self.unpatchify(self.final_layer(tokens, c))
 
     def route_masks(self) -> list[torch.Tensor]:

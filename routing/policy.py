@@ -1,7 +1,9 @@
 """RoutingPolicy: which tokens a route processes.
 
-A policy sees the token tensor and its grid and returns the sorted indices of the tokens that run
-through the route (so raster order is kept) and, when the subset is itself a grid, that grid.
+A policy sees the token tensor and its grid and returns the indices of the tokens that run through the
+route, in the order the route's blocks see them, and, when the subset is itself a grid, that grid. Most
+policies keep raster order (sorted indices); `structured` orders its tokens group by group, so that the
+subset reads as a smaller grid in raster order (see StructuredRouting).
 
 Force-keep masks: `select(..., force_keep=mask)` with a (B, N) bool mask always processes the marked tokens
 (e.g. the region a masked loss trains on) and applies `selection_ratio` to the rest only. Sample b then
@@ -13,20 +15,22 @@ about 1 - r (1 - F/N): a mask covering a quarter of the image turns r = 0.5 into
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+from einops import rearrange
 
 from routing.errors import ConfigError
 
-Grid = tuple[int, int]
+Grid = tuple[int, ...]  # (h, w) for images; (t, h, w) for video (the structured policy takes both)
 
 
 @dataclass
 class Selection:
-    indices: torch.Tensor  # (B, K) int64, sorted ascending per sample
-    grid: Grid | None  # (h_keep, w) when the processed tokens form a grid, else None
+    indices: torch.Tensor  # (B, K) int64, in processing order (ascending, except structured: group by group)
+    grid: Grid | None  # the grid the processed tokens form in that order (e.g. (h_keep, w)), else None
 
 
 class RoutingPolicy(ABC):
@@ -198,10 +202,130 @@ class L1NormRouting(RoutingPolicy):
         return Selection(random_subset(scores, k), None)
 
 
-POLICIES = {"none": NoRouting, "random": RandomRouting, "rows": RowRouting, "l1norm": L1NormRouting}
+class StructuredRouting(RoutingPolicy):
+    """SPRINT's "structured with random offset" selection: the grid is cut into g x g groups (g x g x g on a
+    (t, h, w) grid), and every group keeps s tokens at uniformly random positions inside it.
+
+    Every region of the image keeps the same share of tokens, so the subset is a jittered regular sub-grid
+    rather than random holes and clusters. The kept tokens are ordered group by group (groups in raster
+    order, a group's s tokens in raster order inside it), so the subset is itself a grid in raster order:
+    (h/g, w/g * s) on an (h, w) grid. With s = 1 that is exactly the (h/g, w/g) grid of groups, each kept
+    token standing for its group: a scan or token shift then sees neighbouring regions as neighbours,
+    which is why this suits scan-order backbones (RWKV, Mamba) as well as attention.
+
+    g and s follow from the route's selection_ratio = 1 - s / g^d: the smallest g whose groups tile the grid
+    and hold a whole number s of kept tokens. That reproduces SPRINT's four settings on images (0.75: g 2, s 1;
+    0.5: g 2, s 2; 0.625: g 4, s 6; 0.875: g 4, s 2) and its video one (0.75: 2 x 2 x 2, s 2). `group` and
+    `keep` fix g and s instead; the route's ratio must then be the one they give.
+
+    Force-keep masks: forced tokens take their group's slots first. Where a group holds more forced tokens
+    than s, the route keeps them all, every sample keeps as many tokens as the batch's largest count (random
+    extra ones), and the subset has no grid: fine for attention, the only blocks that are given masks.
+    """
+
+    name, yields_grid = "structured", True
+
+    def __init__(self, group: int | None = None, keep: int | None = None):
+        if (group is None) != (keep is None):
+            raise ConfigError("routing.policy_kwargs must give both group and keep (g and s) or neither "
+                              "(then they follow from each route's selection_ratio).")
+        for key, value in (("group", group), ("keep", keep)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"routing.policy_kwargs.{key}={value!r} must be a whole number >= 1.")
+        self.group, self.keep = group, keep
+
+    def layout(self, grid: Grid, selection_ratio: float) -> tuple[int, int]:
+        """(g, s) for this grid and ratio; ConfigError, naming the key, when the grid cannot give that ratio."""
+        d, shape = len(grid), "x".join(map(str, grid))
+        if self.group is not None:
+            g, s = self.group, self.keep
+            if s > g**d:
+                raise ConfigError(f"routing.policy_kwargs.keep={s} exceeds the {g**d} tokens of a {'x'.join([str(g)] * d)} group; "
+                                  f"choose keep <= {g**d}.")
+            if any(n % g for n in grid):
+                raise ConfigError(f"routing.policy_kwargs.group={g} does not divide the {shape} token grid; choose a group size "
+                                  "that divides every side.")
+            if abs(1 - s / g**d - selection_ratio) > 1e-9:
+                raise ConfigError(f"routing.policy_kwargs group={g}, keep={s} bypass {1 - s / g**d:g} of the tokens, but the route "
+                                  f"asks selection_ratio={selection_ratio}; make them agree, or drop group and keep to derive them from the ratio.")
+            return g, s
+        for g in range(1, min(grid) + 1):
+            s = (1 - selection_ratio) * g**d
+            if all(n % g == 0 for n in grid) and abs(s - round(s)) < 1e-6 and round(s) >= 1:
+                return g, round(s)
+        raise ConfigError(f"structured selection cannot bypass selection_ratio={selection_ratio} of a {shape} token grid: no group "
+                          "size g that divides the grid keeps a whole number of tokens per group; use a ratio such as 0.5 or 0.75, "
+                          "or set routing.policy_kwargs.group and keep.")
+
+    def num_processed(self, grid: Grid, selection_ratio: float) -> int:
+        g, s = self.layout(grid, selection_ratio)
+        return _numel(grid) // g ** len(grid) * s
+
+    def check(self, grid: Grid, selection_ratio: float) -> None:
+        self.layout(grid, selection_ratio)
+
+    def subset_grid(self, grid: Grid, selection_ratio: float) -> Grid:
+        """The grid of the kept tokens in their order: the grid of groups, its last side times s."""
+        g, s = self.layout(grid, selection_ratio)
+        groups = [n // g for n in grid]
+        return (*groups[:-1], groups[-1] * s)
+
+    def select(self, x, grid, selection_ratio, generator, force_keep=None):
+        g, s = self.layout(grid, selection_ratio)
+        b, n, _ = x.shape
+        scores = uniform_scores(b, n, generator, x.device)  # (B, N), one per token in raster order
+        members = _group_members(grid, g, x.device)  # (G, g^d): raster index of every member of every group
+        if force_keep is not None:
+            check_force_keep(force_keep, n)
+            forced = force_keep[:, members]  # (B, N) -> (B, G, g^d)
+            if int(forced.sum(-1).max()) > s:
+                return self._select_overfull(scores, members, forced, s)
+            scores = scores.masked_fill(force_keep, 2.0)  # forced tokens win their group's slots
+        slots = scores[:, members].topk(s, dim=-1).indices.sort(dim=-1).values  # (B, N) -> (B, G, g^d) -> (B, G, s)
+        indices = members.expand(b, -1, -1).gather(2, slots)  # (B, G, s) raster indices, group by group
+        return Selection(indices.reshape(b, -1), self.subset_grid(grid, selection_ratio))  # (B, G, s) -> (B, G * s)
+
+    @staticmethod
+    def _select_overfull(scores, members, forced, s) -> Selection:
+        # Each group keeps max(s, its forced count) tokens: forced first, then its highest-scoring others.
+        b, n = scores.shape
+        in_group = scores[:, members].masked_fill(forced, 2.0)  # (B, G, g^d)
+        rank = in_group.argsort(-1, descending=True).argsort(-1)  # rank of each member inside its group
+        quota = forced.sum(-1, keepdim=True).clamp(min=s)  # (B, G, 1)
+        kept = torch.zeros(b, n, dtype=torch.bool, device=scores.device)
+        kept[:, members.reshape(-1)] = (rank < quota).reshape(b, -1)  # (B, G, g^d) -> (B, N)
+        k = int(kept.sum(1).max())
+        # The batch shares one subset size: samples with fewer kept tokens take random extra ones.
+        return Selection(random_subset(scores.masked_fill(kept, 3.0), k), None)
+
+
+def _numel(grid: Grid) -> int:
+    out = 1
+    for n in grid:
+        out *= n
+    return out
+
+
+def _group_members(grid: Grid, g: int, device) -> torch.Tensor:
+    """(G, g^d) raster indices of the tokens of each g x g (x g) group; groups and members in raster order."""
+    raster = torch.arange(_numel(grid), device=device).reshape(grid)
+    if len(grid) == 2:
+        return rearrange(raster, "(h gh) (w gw) -> (h w) (gh gw)", gh=g, gw=g)
+    if len(grid) == 3:
+        return rearrange(raster, "(t gt) (h gh) (w gw) -> (t h w) (gt gh gw)", gt=g, gh=g, gw=g)
+    raise ConfigError(f"structured selection works on 2-D (h, w) and 3-D (t, h, w) token grids, not {len(grid)}-D.")
+
+
+POLICIES = {"none": NoRouting, "random": RandomRouting, "rows": RowRouting, "l1norm": L1NormRouting, "structured": StructuredRouting}
 
 
 def build_policy(name: str, **kwargs) -> RoutingPolicy:
     if name not in POLICIES:
         raise ConfigError(f"routing.policy='{name}' is unknown; choose one of {sorted(POLICIES)}.")
+    params = inspect.signature(POLICIES[name].__init__).parameters.values()
+    accepted = [p.name for p in params if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise ConfigError(f"routing.policy_kwargs {unknown} are not arguments of routing policy '{name}'; it takes "
+                          f"{', '.join(accepted) or 'none'}.")
     return POLICIES[name](**kwargs)

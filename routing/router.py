@@ -1,23 +1,37 @@
-"""The block runner every backbone uses; applies TREAD routes over any block stack.
+"""The block runner every backbone uses; applies TREAD and SPRINT routes over any block stack.
 
 At a route start the full sequence is kept aside and the policy's subset is gathered; blocks
-start..end run on the subset only; at the route end the processed tokens are scattered back into
-the kept-aside sequence out of place, so bypassing tokens rejoin unchanged and gradients reach all.
+start..end run on the subset only; at the route end the processed tokens are scattered back:
+- TREAD: into the kept-aside sequence, out of place, so bypassing tokens rejoin unchanged and gradients reach all;
+- SPRINT: into a sequence of the backbone's mask token, which a learned fusion then mixes with the kept-aside
+  start state (the dense-shallow path) before the remaining blocks run on every token.
+The fusion layers and mask tokens are the backbone's (`fusions`, keyed by the route's start layer): the router
+holds no parameters and imports no model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
+from typing import Protocol
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from routing.errors import ConfigError
-from routing.policy import Grid, NoRouting, RoutingPolicy
+from routing.policy import Grid, NoRouting, RoutingPolicy, uniform_scores
 from routing.route import Route
+
+
+class Fusion(Protocol):
+    """What a SPRINT route needs from its backbone: a fixed mask token and the fusion of the two paths."""
+
+    mask_token: torch.Tensor  # (1, 1, D), not trained
+
+    def __call__(self, middle: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """(B, N, D) route output with mask tokens at bypassing positions, (B, N, D) start state -> (B, N, D)."""
 
 
 class Router:
@@ -36,14 +50,22 @@ class Router:
         self.generator: torch.Generator | None = None  # set by the trainer: per-rank, per-step seeded
         self.last_masks: list[torch.Tensor] = []  # per route, (B, N) bool of processed tokens
         self._unforced_routes: list[Route] | None = None  # the trained routes while `forced` is active
+        self.drop_paths = False  # SPRINT routes skip their blocks and feed only mask tokens (Path-Drop Guidance)
+
+    @property
+    def fuses(self) -> bool:
+        """True when a route is SPRINT's fusing kind, whose fusion layer is part of the model."""
+        trained = self._unforced_routes if self._unforced_routes is not None else self.routes
+        return any(r.mode == "sprint" for r in trained)
 
     @contextmanager
     def forced(self, selection_ratio: float) -> Iterator[Router]:
         """Route in eval mode too, with every route's selection_ratio replaced by `selection_ratio`.
 
         Routed inference (TREAD): a model trained with routing is evaluated at ratios it may never have
-        seen, which cuts FLOPs and gives routing guidance its weak branch. Ratio 0 runs no route at all,
-        so it is exactly the unrouted network. The routes and `force` are restored on exit.
+        seen, which cuts FLOPs and gives routing guidance its weak branch. Ratio 0 runs no TREAD route at all,
+        so it is exactly the unrouted network; a SPRINT route stays, with every token, because its fusion is
+        part of the model. The routes and `force` are restored on exit.
         """
         if not 0.0 <= selection_ratio < 1.0:
             raise ConfigError(f"route ratio {selection_ratio} must be in [0, 1) (the fraction of tokens that bypass each route).")
@@ -56,23 +78,45 @@ class Router:
         saved = self.routes, self.force, self._unforced_routes
         # Nested calls (a guidance branch inside a FLOPs count) start from the trained routes again.
         self._unforced_routes = trained
-        self.routes = [replace(r, selection_ratio=float(selection_ratio)) for r in trained] if selection_ratio > 0 else []
+        self.routes = [replace(r, selection_ratio=float(selection_ratio)) for r in trained
+                       if selection_ratio > 0 or r.mode == "sprint"]
         self.force = True
         try:
             yield self
         finally:
             self.routes, self.force, self._unforced_routes = saved
 
+    @contextmanager
+    def path_dropped(self) -> Iterator[Router]:
+        """SPRINT routes skip their blocks: the fusion sees mask tokens and the start state only (the weak branch of
+        Path-Drop Guidance, which costs the dense encoder and decoder only)."""
+        if not self.fuses:
+            raise ConfigError("path-drop guidance needs a SPRINT model (a route with mode: sprint, e.g. routing=sprint); "
+                              "this model has none; guide it with --guidance (CFG) or --rg-scale.")
+        saved, self.drop_paths = self.drop_paths, True
+        try:
+            yield self
+        finally:
+            self.drop_paths = saved
+
+    def active_routes(self, training: bool) -> dict[int, Route]:
+        """Routes that run in this forward, by start layer: TREAD routes while training (or forced); SPRINT routes
+        always, with every token (ratio 0) where TREAD's would be off."""
+        routed = training or self.force
+        return {r.start_layer_idx: r if routed else replace(r, selection_ratio=0.0)
+                for r in self.routes if routed or r.mode == "sprint"}
+
     def run(
         self, blocks: nn.ModuleList, x: torch.Tensor, c: torch.Tensor, grid: Grid, training: bool,
-        force_keep: torch.Tensor | None = None,
+        force_keep: torch.Tensor | None = None, fusions: Mapping[str, Fusion] | None = None,
     ) -> torch.Tensor:
         """x: (B, N, D) tokens in raster order on `grid`; c: (B, D). Returns (B, N, D).
 
         force_keep: (B, N) bool, tokens every route processes (e.g. a masked-loss region); see routing.policy.
+        fusions: the backbone's fusion of each SPRINT route, by str(start_layer_idx).
         """
         self.last_masks = []
-        routes = {r.start_layer_idx: r for r in self.routes} if (training or self.force) else {}
+        routes = self.active_routes(training)
         i, depth = 0, len(blocks)
         while i < depth:
             route = routes.get(i)
@@ -80,7 +124,15 @@ class Router:
                 x = blocks[i](x, c, grid)
                 i += 1
                 continue
-            x = self._run_route(blocks, route, x, c, grid, force_keep)
+            if route.mode == "sprint":
+                key = str(route.start_layer_idx)
+                fusion = fusions[key] if fusions is not None and key in fusions else None
+                if fusion is None:
+                    raise ConfigError(f"route r{route.start_layer_idx}->{route.end_layer_idx} is a SPRINT route, but the model has no "
+                                      "fusion layer for it; only the backbones (dit, rwkv, mamba, diffmoe) train SPRINT routes.")
+                x = self._run_fusing_route(blocks, route, x, c, grid, force_keep, fusion, training)
+            else:
+                x = self._run_route(blocks, route, x, c, grid, force_keep)
             i = route.end_layer_idx + 1
             if self.fp32_after_route and i < depth:
                 # TREAD's note: under bf16 the first block after a route can be unstable; run it in fp32.
@@ -90,6 +142,12 @@ class Router:
         return x
 
     def _run_route(self, blocks, route: Route, x, c, grid, force_keep=None):
+        index, x_sub = self._gather_and_run(blocks, route, x, c, grid, force_keep)
+        # Out of place: `x` itself stays in the autograd graph, so bypassing tokens get gradients too.
+        return x.scatter(1, index, x_sub.to(x.dtype))
+
+    def _gather_and_run(self, blocks, route: Route, x, c, grid, force_keep=None):
+        """The policy's subset of x through blocks start..end: (index (B, K, D), processed subset (B, K, D))."""
         # Policies written before force-keep masks existed keep working when no mask is given.
         extra = {} if force_keep is None else {"force_keep": force_keep}
         sel = self.policy.select(x, grid, route.selection_ratio, self.generator, **extra)
@@ -100,13 +158,54 @@ class Router:
             x_sub = blocks[j](x_sub, c, sel.grid)
         mask = torch.zeros(b, n, dtype=torch.bool, device=x.device).scatter_(1, sel.indices, True)
         self.last_masks.append(mask)
-        # Out of place: `x` itself stays in the autograd graph, so bypassing tokens get gradients too.
-        return x.scatter(1, index, x_sub.to(x.dtype))
+        return index, x_sub
+
+    def _run_fusing_route(self, blocks, route: Route, x, c, grid, force_keep, fusion: Fusion, training: bool):
+        """SPRINT: the start state x is the dense-shallow path; the route's output, with the mask token at every
+        bypassing position, is the sparse-deep path; fusion(deep, shallow) goes on to the dense decoder."""
+        b, n, d = x.shape
+        mask_tokens = fusion.mask_token.to(x.dtype).expand(b, n, d)  # (1, 1, D) -> (B, N, D)
+        if self.drop_paths:
+            self.last_masks.append(torch.zeros(b, n, dtype=torch.bool, device=x.device))
+            return fusion(mask_tokens, x)
+        if route.selection_ratio > 0:
+            index, x_sub = self._gather_and_run(blocks, route, x, c, grid, force_keep)
+            deep = mask_tokens.scatter(1, index, x_sub.to(x.dtype))
+        else:  # every token (inference, or SPRINT's full-token second stage): no gather, no scatter
+            deep = x
+            for j in range(route.start_layer_idx, route.end_layer_idx + 1):
+                deep = blocks[j](deep, c, grid)
+            self.last_masks.append(torch.ones(b, n, dtype=torch.bool, device=x.device))
+        if training and route.path_drop > 0:
+            # Path drop: the whole deep path of a sample becomes mask tokens, so the decoder also learns the
+            # shallow-only prediction that Path-Drop Guidance uses as its weak branch.
+            dropped = uniform_scores(b, 1, self.generator, x.device)[:, :, None] < route.path_drop  # (B, 1) -> (B, 1, 1)
+            deep = torch.where(dropped, mask_tokens, deep.to(x.dtype))
+        return fusion(deep.to(x.dtype), x)
 
 
-def count_flops(fn: Callable[[], object]) -> int:
-    """FLOPs of one call of `fn` (torch.utils.flop_counter: matmuls, convolutions and attention)."""
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+def _cpu_attention_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_attention_backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+# PyTorch's counter knows the CUDA attention kernels but not the CPU kernel SDPA dispatches to, so on a CPU
+# attention counted as zero; that kernel does the same two matmuls, so it gets the same formulas.
+CPU_ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
+}
+
+
+def count_flops(fn: Callable[[], object], grad: bool = False) -> int:
+    """FLOPs of one call of `fn` as torch.utils.flop_counter sees them: matmuls, convolutions and attention, on
+    every device (the CPU attention kernel gets the CUDA kernels' formulas). Element-wise work and custom scans
+    (Bi-WKV cumulative sums, selective scans) are not counted. grad=False runs `fn` under no_grad (inference);
+    a training step that calls backward needs grad=True."""
+    with torch.set_grad_enabled(grad), FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter:
         fn()
     return counter.get_total_flops()
 

@@ -12,7 +12,7 @@ from routing import Route, Router, build_policy
 from train.bench.cost import speedups
 from train.metrics.classifier import ClassifierConfig, SmallCNN, cache_path, features, load_or_train, sample_scores
 from train.data.embedded import TensorDataset
-from train.bench.timing import count_flops
+from routing import count_flops
 from conftest import run_module
 
 
@@ -42,7 +42,7 @@ def test_flop_ideal_speedup_is_the_token_layer_count_of_an_mlp_stack():
         return lambda: router.run(blocks, x, c, (8, 8), training=True).square().sum().backward()
 
     routed = Router(build_policy("random"), [Route(selection_ratio=0.5, start_layer_idx=2, end_layer_idx=5)])
-    flops_unrouted, flops_routed = count_flops(step(Router())), count_flops(step(routed))
+    flops_unrouted, flops_routed = count_flops(step(Router()), grad=True), count_flops(step(routed), grad=True)
     assert flops_unrouted * (4 * 64 + 4 * 32) == flops_routed * (8 * 64)  # exact: gather/scatter cost no FLOPs
     ideal = speedups({"flops": flops_unrouted, "step_seconds": 2.0}, {"flops": flops_routed, "step_seconds": 1.0})
     assert ideal["ideal_speedup"] == pytest.approx(512 / 384)

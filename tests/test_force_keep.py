@@ -19,7 +19,7 @@ def masks(b=4, seed=0):
     return force
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", sorted(set(POLICIES) - {"structured"}))  # its own semantics: test_structured.py
 @pytest.mark.parametrize("ratio", [0.0, 0.5, 0.75, 0.95])
 def test_forced_tokens_are_always_selected_and_the_ratio_applies_to_the_rest(name, ratio):
     force = masks()

@@ -32,7 +32,7 @@ def stack(depth=6, d=16, seed=0):
     return nn.ModuleList(Affine(d) for _ in range(depth))
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", sorted(set(POLICIES) - {"structured"}))  # group order and its own ratios: test_structured.py
 @pytest.mark.parametrize("ratio", [0.0, 0.25, 0.5, 0.8])
 def test_selected_indices_unique_sorted_and_counted(name, ratio):
     policy = build_policy(name)
@@ -159,7 +159,7 @@ def test_fp32_after_route_runs_the_next_block_without_autocast():
         ([{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": 8}], r"routes\[0\].*outside"),
         ([{"selection_ratio": 0.5, "start_layer_idx": -9, "end_layer_idx": -2}], r"routes\[0\].*outside"),
         ([{"selection_ratio": 1.0, "start_layer_idx": 2, "end_layer_idx": 4}], r"routes\[0\].*selection_ratio"),
-        ([{"selection_ratio": 0.5, "start": 2, "end_layer_idx": 4}], r"routes\[0\] must have exactly"),
+        ([{"selection_ratio": 0.5, "start": 2, "end_layer_idx": 4}], r"routes\[0\] must have the keys"),
     ],
 )
 def test_invalid_routes_are_named(routes, match):

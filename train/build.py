@@ -31,7 +31,7 @@ def router_for(cfg_routing: DictConfig, depth: int, grid: tuple[int, int], needs
     if routes and needs_grid and not policy.yields_grid and not cfg_routing.allow_unstructured:
         raise ConfigError(
             f"{what} scans tokens on a 2-D grid, but routing policy '{policy.name}' picks tokens "
-            "without one; use routing=rows (or set routing.allow_unstructured=true to treat the subset as 1-D, an ablation)."
+            "without one; use routing=rows or routing=structured (or set routing.allow_unstructured=true to treat the subset as 1-D, an ablation)."
         )
     return Router(policy, routes, force=cfg_routing.force, fp32_after_route=cfg_routing.fp32_after_route)
 
@@ -49,7 +49,7 @@ def build_backbone_for(cfg: DictConfig, shape: tuple[int, int, int], num_classes
         hidden_size=b.get("hidden_size"),
         **(b.get("kwargs") or {}),
     )
-    model.router = build_router(cfg.routing, model)
+    model.attach_router(build_router(cfg.routing, model))
     return model
 
 
@@ -98,6 +98,9 @@ def build_finetuned(cfg: DictConfig, dataset) -> nn.Module:
         raise ConfigError(f"data.name={cfg.data.name} gives {channels}x{height}x{width} inputs, but {name} takes "
                           f"{net.latent_channels}-channel inputs with sides divisible by {net.patch}; fine-tune it on latents of its own VAE.")
     net.router = router_for(cfg.routing, net.depth, (height // net.patch, width // net.patch), what=name)
+    if net.router.fuses:
+        raise ConfigError(f"routing.routes has a SPRINT route (mode: sprint), whose fusion layer {name} does not have; "
+                          "fine-tune with TREAD routes (routing=random or routing=structured).")
     if f.family == "dit":
         classes = model.config.num_embeds_ada_norm
         if dataset.num_classes != classes:

@@ -22,6 +22,7 @@ class Cell:
     seed: int
     cfg: DictConfig
     ablation: bool  # an unstructured subset on a scan-order backbone (TREAD's 1-D ablation)
+    plain: dict  # the config `backbone=<family> routing=<r> data=<dataset>` composes to: the defaults of keys added later
 
     @property
     def key(self) -> str:
@@ -48,9 +49,10 @@ def compose_cell(bench: DictConfig, backbone: str, routing: str, seed: int) -> C
     """
     size = OmegaConf.to_container(bench.sizes.get(backbone) or OmegaConf.create({}))
     family = size.pop("family", backbone)
+    groups = [f"backbone={family}", f"routing={routing}", f"data={bench.dataset}"]
     try:
-        cfg = compose(config_name="config", overrides=[f"backbone={family}", f"routing={routing}", f"data={bench.dataset}",
-                                                       *bench.overrides])
+        cfg = compose(config_name="config", overrides=[*groups, *bench.overrides])
+        plain = OmegaConf.to_container(compose(config_name="config", overrides=groups), resolve=True)
     except (MissingConfigException, OverrideParseException, ConfigCompositionException) as err:
         raise ConfigError(f"{str(err).splitlines()[0]} (check grid.backbones, grid.routings, dataset and overrides).") from err
     t = bench.train
@@ -68,7 +70,7 @@ def compose_cell(bench: DictConfig, backbone: str, routing: str, seed: int) -> C
                         "ckpt_every": bench.eval.get("every") or (10**9 if bench.eval.get("keep_final") else 0),
                         "keep_checkpoints": 10**9},
         })
-    return Cell(backbone, routing, seed, cfg, ablation)
+    return Cell(backbone, routing, seed, cfg, ablation, plain)
 
 
 def grid_cells(bench: DictConfig) -> list[Cell]:

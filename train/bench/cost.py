@@ -10,7 +10,8 @@ from tqdm.auto import tqdm
 
 from backbones.diffmoe import activated_parameters
 from train.bench.cells import Cell
-from train.bench.timing import count_flops, interleaved_medians, now, peak_memory_bytes, saved_activation_bytes, training_step
+from routing import count_flops
+from train.bench.timing import interleaved_medians, now, peak_memory_bytes, saved_activation_bytes, training_step
 from train.build import build_backbone_for, objective_for
 
 
@@ -29,7 +30,7 @@ def measure_costs(pairs: list[Cell], bench: DictConfig, shape: tuple[int, ...], 
             # Per token in training: all weights but the experts a token does not get (MoE: top_k or C of E).
             "activated_params": activated_parameters(net),
             "tokens": model.grid[0] * model.grid[1],
-            "flops": count_flops(step),
+            "flops": count_flops(step, grad=True),
             "saved_activation_bytes": saved_activation_bytes(step.loss, net.parameters()),
             "peak_memory_bytes": peak_memory_bytes(step, device),
         }

@@ -19,7 +19,8 @@ import torch
 from backbones.adapters import adapt, add_lora
 from edm import FlowLoss
 from routing import Router
-from train.bench.timing import count_flops, interleaved_medians
+from routing import count_flops
+from train.bench.timing import interleaved_medians
 
 # Mid-size configs: FLUX.1 / SD3.5 / PixArt-Sigma / DiT block types at 512 channels (8 heads of 64).
 PRESETS = {
@@ -105,7 +106,7 @@ def measure(args, family: str) -> dict:
         return run
 
     fns = {"unrouted": step(plain_router), "routed": step(routed_router)}
-    flops = {k: count_flops(fn) for k, fn in fns.items()}
+    flops = {k: count_flops(fn, grad=True) for k, fn in fns.items()}
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
         seconds = interleaved_medians(fns, args.repeats, args.warmup, device)
     route = routed_router.routes[0]

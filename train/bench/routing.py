@@ -22,7 +22,8 @@ from omegaconf import OmegaConf
 from backbones import build_backbone
 from edm import EDMPrecond
 from train.build import build_router, compile_blocks, compiled_graphs
-from train.bench.timing import count_flops, interleaved_medians, training_step
+from routing import count_flops
+from train.bench.timing import interleaved_medians, training_step
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -66,7 +67,7 @@ def measure(args, preset: str) -> dict:
         model.router = router
         step()
 
-    flops = {"unrouted": count_flops(unrouted), "routed": count_flops(routed)}
+    flops = {"unrouted": count_flops(unrouted, grad=True), "routed": count_flops(routed, grad=True)}
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
     compile_seconds, graphs = None, None
     if args.compile:

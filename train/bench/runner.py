@@ -101,6 +101,7 @@ def run(bench: DictConfig) -> list[dict]:
         torch.set_num_threads(bench.threads)
     out = Path(bench.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    results = Path(bench.get("results_dir") or out)  # cost.json and cells/*.json: the small files a table is rebuilt from
     # Keys that only steer this invocation are checked before the cost phase, not minutes into it.
     shard = parse_shard(bench.get("shard"))
     measured_only = bench.get("measured_only", False)
@@ -122,8 +123,9 @@ def run(bench: DictConfig) -> list[dict]:
                                for c in pairs},
                      "shape": timing_shape, "num_classes": dataset.num_classes, "timing": OmegaConf.to_container(bench.timing),
                      "device": bench.device, "threads": bench.threads}
-    cost = reuse_or_compute(out / "cost.json", cost_settings, lambda: measure_costs(pairs, bench, timing_shape, dataset.num_classes),
-                            "cost measurements")
+    cost_defaults = {"cells": {c.key: c.plain["backbone"] | {"routing": c.plain["routing"]} for c in pairs}}
+    cost = reuse_or_compute(results / "cost.json", cost_settings, lambda: measure_costs(pairs, bench, timing_shape, dataset.num_classes),
+                            "cost measurements", cost_defaults)
     # Matched size means matched ACTIVATED parameters: an MoE model holds E experts but a token uses C of them.
     params = {key: c.get("activated_params", c["params"]) for key, c in cost["cells"].items()}
     log.info("activated parameters per token: " + ", ".join(f"{key} {n / 1e6:.3f}M" for key, n in params.items()))
@@ -153,14 +155,14 @@ def run(bench: DictConfig) -> list[dict]:
     missing = []
     for cell in tqdm(mine, desc="quality: cells", dynamic_ncols=True):
         settings = {"train": OmegaConf.to_container(cell.cfg, resolve=True), **eval_settings}
-        path = out / "cells" / f"{cell.name}.json"
+        path = results / "cells" / f"{cell.name}.json"
         if measured_only:
-            saved = saved_result(path, settings)
+            saved = saved_result(path, settings, {"train": cell.plain})
             runs[cell.key] += [saved] if saved else []
             missing += [] if saved else [cell.name]
             continue
         compute = lambda cell=cell: warm() or train_and_score(cell, evaluation, out)  # noqa: E731
-        runs[cell.key].append(reuse_or_compute(path, settings, compute, f"cell {cell.name}"))
+        runs[cell.key].append(reuse_or_compute(path, settings, compute, f"cell {cell.name}", {"train": cell.plain}))
     if missing:
         log.warning(f"measured_only: {len(missing)} cells are not measured yet and stay out of the table: {', '.join(missing)}")
         pairs = [c for c in pairs if runs[c.key]]

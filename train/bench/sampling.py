@@ -34,10 +34,9 @@ import torch  # noqa: E402
 from omegaconf import open_dict  # noqa: E402
 
 from edm import generate, with_routing_guidance  # noqa: E402
-from routing import ConfigError  # noqa: E402
+from routing import ConfigError, count_flops  # noqa: E402
 from train.bench.stats import summary, verdict, welch_difference  # noqa: E402
 from train.bench.store import reuse_or_compute, write_json_atomic  # noqa: E402
-from train.bench.timing import count_flops  # noqa: E402
 from train.build import objective_name  # noqa: E402
 from train.checkpoint import load_run  # noqa: E402
 from train.cli import ArgumentParser, bounded, friendly_errors  # noqa: E402

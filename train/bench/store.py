@@ -18,21 +18,38 @@ def write_json_atomic(path: Path, obj: dict) -> None:
     os.replace(tmp, path)  # a killed run leaves the old file or the new one, never half of one
 
 
-def saved_result(path: Path, settings: dict) -> dict | None:
-    """The result saved at `path` if it was measured with exactly `settings`, else None."""
-    settings = json.loads(json.dumps(settings))  # JSON-normal form (tuples -> lists), as it is read back
+def same_settings(saved, current, defaults=None) -> bool:
+    """True when a result measured under `saved` settings holds for the `current` ones.
+
+    Keys the project gained after the result was measured are missing from `saved`. Such a key matches when its
+    current value is the one the plain config gives it (`defaults`, the same nesting as `current`): a new key's
+    default keeps what ran before, which is the project's rule for every new key, so committed results stay
+    reusable as the code grows. Any other difference, a removed key included, does not match.
+    """
+    if isinstance(saved, dict) and isinstance(current, dict):
+        defaults = defaults if isinstance(defaults, dict) else {}
+        if set(saved) - set(current):
+            return False
+        return all(same_settings(saved[k], v, defaults.get(k)) if k in saved else (k in defaults and defaults[k] == v)
+                   for k, v in current.items())
+    return saved == current
+
+
+def saved_result(path: Path, settings: dict, defaults: dict | None = None) -> dict | None:
+    """The result saved at `path` if it was measured with `settings` (see same_settings), else None."""
+    settings, defaults = json.loads(json.dumps([settings, defaults]))  # JSON-normal form (tuples -> lists), as read back
     if not path.exists():
         return None
     try:
         saved = json.loads(path.read_text())
     except json.JSONDecodeError:
         return None
-    return saved if saved.get("settings") == settings else None
+    return saved if same_settings(saved.get("settings"), settings, defaults) else None
 
 
-def reuse_or_compute(path: Path, settings: dict, compute: Callable[[], dict], what: str) -> dict:
-    """The result saved at `path` if it was measured with exactly `settings`, else `compute()` (then saved)."""
-    saved = saved_result(path, settings)
+def reuse_or_compute(path: Path, settings: dict, compute: Callable[[], dict], what: str, defaults: dict | None = None) -> dict:
+    """The result saved at `path` if it was measured with `settings` (see same_settings), else `compute()` (then saved)."""
+    saved = saved_result(path, settings, defaults)
     if saved is not None:
         log.info(f"reused {what} from {path}")
         return saved

@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from edm import EDM, Objective
 
@@ -38,32 +37,6 @@ def training_step(net, batch: int, shape, num_classes: int, device, seed: int = 
 
     step.loss = loss  # forward only, for memory probes
     return step
-
-
-def _cpu_attention_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_flop_count(query, key, value)
-
-
-def _cpu_attention_backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_backward_flop_count(grad_out, query, key, value)
-
-
-# PyTorch's counter knows the CUDA attention kernels but not the CPU kernel SDPA dispatches to, so on a CPU
-# attention counted as zero; that kernel does the same two matmuls, so it gets the same formulas.
-_CPU_ATTENTION = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
-}
-
-
-def count_flops(fn: Callable[[], None]) -> int:
-    """FLOPs of one call as torch.utils.flop_counter sees them (matmuls, convolutions, attention).
-
-    Element-wise work and custom scans (Bi-WKV cumulative sums, selective scans) are not counted.
-    """
-    with FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION) as counter:
-        fn()
-    return counter.get_total_flops()
 
 
 def _sync(device) -> None:

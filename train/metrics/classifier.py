@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
+from tqdm.auto import tqdm
 
 from train.metrics.frechet import feature_statistics, frechet_distance
 
@@ -92,6 +93,7 @@ def train_classifier(dataset, cfg: ClassifierConfig, test=None) -> tuple[SmallCN
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     steps = cfg.epochs * -(-len(train_idx) // cfg.batch_size)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, cfg.lr, total_steps=steps)
+    bar = tqdm(total=steps, desc=f"classifier for {dataset.name} ({cfg.epochs} epochs, once; then cached)", dynamic_ncols=True)
     for _ in range(cfg.epochs):
         model.train()
         for batch in train_idx[torch.randperm(len(train_idx), generator=g)].split(cfg.batch_size):
@@ -104,6 +106,9 @@ def train_classifier(dataset, cfg: ClassifierConfig, test=None) -> tuple[SmallCN
             loss.backward()
             optimizer.step()
             schedule.step()
+            bar.update()
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    bar.close()
     if test is not None:
         return model.eval(), accuracy(model, *test.get(torch.arange(len(test))))
     return model.eval(), accuracy(model, images[val_idx], labels[val_idx])
