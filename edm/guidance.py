@@ -1,4 +1,5 @@
-"""Guidance wrappers: out = bad + w (good - bad), for either objective.
+"""Guidance wrappers: out = bad + w (good - bad), for either objective: classifier-free guidance, TREAD's routing
+guidance and SPRINT's path-drop guidance.
 
 At fixed x and t, EDM's D and flow's v are affine in each other, so the same combination of network
 outputs guides both. Every wrapper has the network's call shape (x, t, class_labels) and so they compose:
@@ -100,3 +101,36 @@ def with_routing_guidance(net: nn.Module, router, scale: float, gamma_1: float |
     bad_force = bad_router.forced if bad_router is not None else None
     return RoutingGuidance(net, router.forced, gamma_1, gamma_2, scale, unconditional=unconditional, null_label=null_label,
                            bad_net=bad_net, bad_force_ratio=bad_force)
+
+
+class PathDropGuidance(nn.Module):
+    """SPRINT's Path-Drop Guidance: out = D_weak + w (D_full - D_weak).
+
+    The guided branch is the full model with the class label; the weak branch has the null label and skips the
+    sparse middle of every SPRINT route (mask tokens go into the fusion), so it costs only the dense encoder and
+    decoder. It takes the place of CFG's unconditional branch at a fraction of its cost. `drop_paths()` is a
+    context manager that makes the network skip those paths (the backbone's `router.path_dropped`); edm only
+    calls it.
+    """
+
+    def __init__(self, net: nn.Module, drop_paths: Callable[[], AbstractContextManager], w: float, null_label: int):
+        super().__init__()
+        self.net, self.drop_paths, self.w, self.null_label = net, drop_paths, w, null_label
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, class_labels: torch.Tensor | None = None) -> torch.Tensor:
+        full = self.net(x, sigma, class_labels)
+        null = torch.full((x.shape[0],), self.null_label, dtype=torch.long, device=x.device)
+        with self.drop_paths():
+            weak = self.net(x, sigma, null)
+        return weak + self.w * (full - weak)
+
+
+def with_path_drop_guidance(net: nn.Module, router, scale: float, null_label: int) -> nn.Module:
+    """`net` itself when scale == 1 (off), else `PathDropGuidance` skipping paths through `router.path_dropped`.
+
+    The context is entered once here, so a model without SPRINT routes is refused before any sampling."""
+    if scale == 1.0:
+        return net
+    with router.path_dropped():
+        pass
+    return PathDropGuidance(net, router.path_dropped, scale, null_label)

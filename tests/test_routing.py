@@ -189,3 +189,18 @@ def test_l1norm_keeps_the_highest_norm_tokens():
     sel = build_policy("l1norm", random_mix=0.5).select(x, GRID, 0.5, torch.Generator().manual_seed(0))
     for b in range(4):
         assert set(range(5)) <= set(sel.indices[b].tolist())
+
+
+def test_flop_counter_counts_attention_on_the_cpu_as_a_hand_count_does():
+    """routing.count_flops, the one counter of the sampling tools and benchmarks, against a hand count of one DiT
+    attention layer: qkv and output projections plus the two attention matmuls (QK^T and AV), 2 FLOPs per MAC."""
+    from timm.models.vision_transformer import Attention
+
+    from routing import count_flops
+
+    b, n, d, heads = 2, 64, 32, 4
+    attention = Attention(d, num_heads=heads, qkv_bias=True)
+    x = torch.randn(b, n, d)
+    projections = 2 * b * n * d * (3 * d) + 2 * b * n * d * d
+    matmuls = 2 * (2 * b * heads * n * n * (d // heads))
+    assert count_flops(lambda: attention(x)) == projections + matmuls

@@ -130,6 +130,9 @@ def add_sampling_rule_flags(parser: argparse.ArgumentParser, route_ratio: float 
     parser.add_argument("--rg-gamma2", type=bounded(float, 0, 0.99, example="--rg-gamma2 0.5"), default=rg_gamma2,
                         help="routing guidance: ratio of the weak branch")
     parser.add_argument("--rg-uncond", action="store_true", help="both routing-guidance branches unconditional (the released sample_tread)")
+    parser.add_argument("--pdg-scale", type=bounded(float, 0, 100, example="--pdg-scale 3"), default=1.0,
+                        help="SPRINT's path-drop guidance w (1 = off): the weak branch has the null label and skips the sparse "
+                             "middle; in place of CFG, for routing=sprint models")
     parser.add_argument("--moe-threshold", type=bounded(float, 0, 1, example="--moe-threshold 0.5"),
                         help="DiffMoE: one capacity-predictor threshold for every expert")
     parser.add_argument("--moe-target", type=bounded(float, 0.01, example="--moe-target 1.0"),
@@ -143,3 +146,8 @@ def check_sampling_rule_flags(parser: argparse.ArgumentParser, args: argparse.Na
                      "more tokens (e.g. --rg-gamma1 0.25 --rg-gamma2 0.75)")
     if args.moe_threshold is not None and args.moe_target is not None:
         parser.error("give --moe-threshold or --moe-target, not both")
+    if args.pdg_scale != 1 and args.guidance != 1:
+        parser.error(f"--pdg-scale {args.pdg_scale:g} takes the place of CFG's unconditional branch; drop --guidance "
+                     f"{args.guidance:g} (or --pdg-scale)")
+    if args.pdg_scale != 1 and args.rg_scale != 1:
+        parser.error("give --pdg-scale or --rg-scale, not both: each is a guidance rule with its own weak branch")

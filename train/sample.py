@@ -4,6 +4,7 @@
     python -m train.sample runs/X --route-ratio 0.5                        # routed inference: cheaper evaluations
     python -m train.sample runs/X --rg-scale 2 --rg-gamma1 0.3 --rg-gamma2 0.7   # routing guidance (TREAD)
     python -m train.sample runs/X --moe-target 1.0                         # DiffMoE: 1 expert per token on average
+    python -m train.sample runs/X --pdg-scale 2                            # SPRINT: path-drop guidance instead of CFG
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 
 from backbones.diffmoe import set_inference_capacity
-from edm import generate, with_routing_guidance
+from edm import generate, with_path_drop_guidance, with_routing_guidance
 from edm.guidance import CFGDenoiser
 from routing import ConfigError
 from routing.router import count_flops
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> Path:
     bad = load_run(args.rg_bad, args.device).net if args.rg_bad else None
     sampled = with_routing_guidance(net, router, args.rg_scale, args.rg_gamma1, args.rg_gamma2, unconditional=args.rg_uncond,
                                     null_label=ds.num_classes, bad_net=bad, bad_router=bad.model.router if bad else None)
+    sampled = with_path_drop_guidance(sampled, router, args.pdg_scale, ds.num_classes)
     report_flops(net, sampled, router, args, ds)
     x = generate(sampled, labels, shape=ds.shape, steps=args.steps, guidance=args.guidance, seed=args.seed, device=args.device,
                  sampler=args.sampler, null_label=ds.num_classes, progress=True, objective=loaded.objective, router=router,
@@ -76,17 +78,19 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 def report_flops(net, sampled, router, args, ds) -> None:
-    """FLOPs of one sampler evaluation per image (CFG and routing guidance included) against the plain unrouted network."""
+    """FLOPs of one sampler evaluation per image with the chosen rule (CFG, routing or path-drop guidance), beside
+    the plain network's and CFG's (two full evaluations: conditional and null label)."""
     x = torch.zeros(1, *ds.shape, device=args.device)
     t, label = torch.ones(1, device=args.device), torch.zeros(1, dtype=torch.long, device=args.device)
     with router.forced(0.0):
         plain = count_flops(lambda: net(x, t, label))
+        cfg = count_flops(lambda: CFGDenoiser(net, 2.0, ds.num_classes)(x, t, label))
     denoiser = CFGDenoiser(sampled, args.guidance, ds.num_classes)
     # Sampling runs in eval mode, where routes are off unless forced (as `generate` does with route_ratio).
     with router.forced(args.route_ratio) if args.route_ratio else nullcontext():
         used = count_flops(lambda: denoiser(x, t, label))
-    print(f"FLOPs per image per sampler evaluation: {used / 1e9:.4f} G (unrouted, unguided network: {plain / 1e9:.4f} G, "
-          f"ratio {used / plain:.2f})")
+    print(f"FLOPs per image per sampler evaluation: {used / 1e9:.4f} G; the unguided network {plain / 1e9:.4f} G "
+          f"({used / plain:.2f}x); CFG {cfg / 1e9:.4f} G ({used / cfg:.2f} of CFG's)")
 
 
 if __name__ == "__main__":

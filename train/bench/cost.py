@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from backbones.diffmoe import activated_parameters
 from train.bench.cells import Cell
 from routing import count_flops
-from train.bench.timing import interleaved_medians, now, peak_memory_bytes, saved_activation_bytes, training_step
+from train.bench.timing import interleaved_medians, now, peak_memory_bytes, saved_activation_bytes, step_clock, training_step
 from train.build import build_backbone_for, objective_for
 
 
@@ -35,11 +35,12 @@ def measure_costs(pairs: list[Cell], bench: DictConfig, shape: tuple[int, ...], 
             "peak_memory_bytes": peak_memory_bytes(step, device),
         }
         steps[cell.key] = step
+    clock, clock_name = step_clock(device, bench.threads)
     with tqdm(total=len(steps) * (t.warmup + t.repeats), desc="cost: interleaved step timing", dynamic_ncols=True) as bar:
-        seconds = interleaved_medians(steps, t.repeats, t.warmup, device, progress=bar.update)
+        seconds = interleaved_medians(steps, t.repeats, t.warmup, device, progress=bar.update, clock=clock)
     for key, s in seconds.items():
         costs[key]["step_seconds"] = s
-    return {"cells": costs, "date": now(), "load_average": os.getloadavg()}
+    return {"cells": costs, "clock": clock_name, "date": now(), "load_average": os.getloadavg()}
 
 
 def speedups(base: dict | None, cost: dict) -> dict[str, float | None]:

@@ -124,8 +124,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "modulation, gather/scatter, the optimizer. FLOP-ideal speedup = FLOPs of the same backbone unrouted / FLOPs "
         "of the cell.",
         f"(2) Median of {t['repeats']} training steps after {t['warmup']} warm-up rounds, at {t['tokens']} tokens, timed "
-        "round-robin over all cells so that machine noise hits every cell alike; speedup = unrouted step time / step "
-        "time. Efficiency = measured / FLOP-ideal.",
+        f"round-robin over all cells so that machine noise hits every cell alike, in {t.get('clock', 'wall-clock time')}; "
+        "speedup = unrouted step time / step time. Efficiency = measured / FLOP-ideal.",
         "(3) Bytes of the tensors autograd saves for backward in one forward (saved-tensor hooks, weights excluded). "
         "Peak memory is measured on CUDA only.",
         f"(4) Quality columns: the real Trainer for {q['budget']} per cell on {q['data']} ({q['tokens']} tokens), "

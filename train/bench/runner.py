@@ -47,7 +47,7 @@ from train.bench.plots import plot_bars, plot_loss_curves, plot_quality_curves
 from train.bench.quality import Evaluation, held_out_split, train_and_score, warm_up
 from train.bench.report import table_rows, write_tables
 from train.bench.store import reuse_or_compute, saved_result
-from train.bench.timing import now
+from train.bench.timing import now, step_clock
 from train.build import objective_name
 from train.data import build_dataset
 from train.metrics.classifier import ClassifierConfig, load_or_train
@@ -122,7 +122,7 @@ def run(bench: DictConfig) -> list[dict]:
     cost_settings = {"cells": {c.key: OmegaConf.to_container(c.cfg.backbone) | {"routing": OmegaConf.to_container(c.cfg.routing)}
                                for c in pairs},
                      "shape": timing_shape, "num_classes": dataset.num_classes, "timing": OmegaConf.to_container(bench.timing),
-                     "device": bench.device, "threads": bench.threads}
+                     "device": bench.device, "threads": bench.threads, "clock": step_clock(bench.device, bench.threads)[1]}
     cost_defaults = {"cells": {c.key: c.plain["backbone"] | {"routing": c.plain["routing"]} for c in pairs}}
     cost = reuse_or_compute(results / "cost.json", cost_settings, lambda: measure_costs(pairs, bench, timing_shape, dataset.num_classes),
                             "cost measurements", cost_defaults)
@@ -188,7 +188,8 @@ def run(bench: DictConfig) -> list[dict]:
         "machine": {"cpu": cpu_model() if bench.device == "cpu" else torch.cuda.get_device_name(), "cores": os.cpu_count(),
                     "torch": torch.__version__, "device": bench.device, "threads": torch.get_num_threads()},
         "load_average": f"{min(loads):.1f} to {max(loads):.1f} (sampled after the cost phase and after each cell)",
-        "timing": {**OmegaConf.to_container(bench.timing), "tokens": next(iter(cost["cells"].values()))["tokens"]},
+        "timing": {**OmegaConf.to_container(bench.timing), "tokens": next(iter(cost["cells"].values()))["tokens"],
+                   "clock": cost.get("clock", "wall-clock time")},
         "train": {"budget": budget, "data": f"{dataset.name} {'x'.join(map(str, dataset.shape))}", "batch_size": t.batch_size,
                   "tokens": dataset.shape[1] * dataset.shape[2] // cfg.backbone.patch_size**2, "objective": objective_name(cfg),
                   "seeds": seeds, "missing": missing},

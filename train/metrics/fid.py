@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from backbones.diffmoe import set_inference_capacity
-from edm import Objective, generate, with_routing_guidance
+from edm import Objective, generate, with_path_drop_guidance, with_routing_guidance
 from routing.errors import ConfigError
 from train.data.images import image_files, load_image
 from train.metrics.frechet import feature_statistics, frechet_distance
@@ -43,6 +43,7 @@ class FIDConfig:
     rg_gamma1: float | None = None  # strong branch's ratio (None: unrouted)
     rg_gamma2: float = 0.5  # weak branch's ratio
     rg_uncond: bool = False  # both branches unconditional (the released sample_tread)
+    pdg_scale: float = 1.0  # SPRINT's path-drop guidance w (1 = off); replaces CFG's unconditional branch
     moe_threshold: float | None = None  # DiffMoE: one capacity-predictor threshold for every expert
     moe_target: float | None = None  # DiffMoE: average activated experts per token (None, None: learned thresholds)
 
@@ -111,6 +112,7 @@ def sample_features(net, dataset, cfg: FIDConfig, accelerator, extractor, object
         set_inference_capacity(net, threshold=cfg.moe_threshold, target=cfg.moe_target)
     sampled = with_routing_guidance(net, router, cfg.rg_scale, cfg.rg_gamma1, cfg.rg_gamma2, unconditional=cfg.rg_uncond,
                                     null_label=dataset.num_classes)
+    sampled = with_path_drop_guidance(sampled, router, cfg.pdg_scale, dataset.num_classes)
     num_batches = math.ceil(cfg.num_samples / cfg.batch_size)
     mine = range(accelerator.process_index, num_batches, accelerator.num_processes)
     indices, features = [], []

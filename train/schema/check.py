@@ -350,8 +350,33 @@ def resume_changes(saved: Any, current: Any) -> tuple[list[str], list[str]]:
     for path in sorted(new):
         if path.split(".")[0] in RUN_KEYS or path.startswith("hydra.") or path not in old or old[path] == new[path]:
             continue
+        if path == "routing.routes" and _fusing(old[path], new[path]):
+            more_refused, more_applied = _sprint_route_changes(old[path], new[path])
+            refused, applied = refused + more_refused, applied + more_applied
+            continue
         section = path.split(".")[0]
         found = schema_for(path, current)
         rule = REFUSE if section in OPTION_SCHEMAS else (found[1].get("on_resume", APPLY) if found else APPLY)
         (refused if rule == REFUSE else applied).append(f"{path}: {old[path]!r} -> {new[path]!r}")
     return refused, applied
+
+
+def _fusing(*route_lists) -> bool:
+    return any(isinstance(r, dict) and r.get("mode") == "sprint" for routes in route_lists for r in routes or [])
+
+
+def _sprint_route_changes(old: list, new: list) -> tuple[list[str], list[str]]:
+    """On resume a SPRINT route may change its selection_ratio (the second stage, a full-token fine-tune, sets 0)
+    and its path_drop; its blocks and kind may not, because the fusion layer belongs to that split of the stack."""
+    layout = lambda routes: [(r.get("start_layer_idx"), r.get("end_layer_idx"), r.get("mode", "tread")) for r in routes]  # noqa: E731
+    if layout(old) != layout(new):
+        return [f"routing.routes: the SPRINT route layout (start, end, mode) {layout(old)} -> {layout(new)} "
+                "(its fusion layer belongs to those blocks; change only selection_ratio or path_drop)"], []
+    changes = []
+    for k, (a, b) in enumerate(zip(old, new)):
+        for key in ("selection_ratio", "path_drop"):
+            if a.get(key, 0.0) != b.get(key, 0.0):
+                note = " (SPRINT's second stage: every token runs the middle; the fusion is kept)" \
+                    if key == "selection_ratio" and b.get(key) == 0 else ""
+                changes.append(f"routing.routes[{k}].{key}: {a.get(key, 0.0)!r} -> {b.get(key, 0.0)!r}{note}")
+    return [], changes

@@ -24,5 +24,6 @@ class FIDConfig:
     rg_gamma1: Optional[float] = key(None, "routing guidance: the strong branch's ratio (null: unrouted)", ge=0, lt=1, example=0.0)
     rg_gamma2: float = key(0.5, "routing guidance: the weak branch's ratio", ge=0, lt=1, example=0.5)
     rg_uncond: bool = key(False, "routing guidance: both branches unconditional (the released sample_tread)")
+    pdg_scale: float = key(1.0, "SPRINT's path-drop guidance w (1: off); in place of CFG, for routing=sprint models", ge=0, le=100, example=3.0)
     moe_threshold: Optional[float] = key(None, "DiffMoE: one capacity threshold for every expert", ge=0, le=1, example=0.5)
     moe_target: Optional[float] = key(None, "DiffMoE: average activated experts per token (both null: learned thresholds)", gt=0, example=1.0)
