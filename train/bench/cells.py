@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hydra import compose
@@ -22,7 +22,7 @@ class Cell:
     seed: int
     cfg: DictConfig
     ablation: bool  # an unstructured subset on a scan-order backbone (TREAD's 1-D ablation)
-    plain: dict  # the config `backbone=<family> routing=<r> data=<dataset>` composes to: the defaults of keys added later
+    plain: dict = field(default_factory=dict)  # the config `backbone=<family> routing=<r> data=<dataset>` composes to: the defaults of keys added later
 
     @property
     def key(self) -> str:
