@@ -1,4 +1,5 @@
-"""Sampling rules compared at their cost: routed inference, routing guidance and CFG, over several training seeds.
+"""Sampling rules compared at their cost: routed inference, routing guidance, path-drop guidance and CFG, over
+several training seeds.
 
     python -m train.bench.sampling bench_runs/fashion/runs/dit-random-s{0,1,2} \\
         bench_runs/fashion-flow/runs/dit-random-s{0,1,2} --gammas 0.25 0.5 0.75 --cfg 1.5 2 \\
@@ -11,8 +12,12 @@ objective, backbone and routing (the runs of a group are training seeds of one r
 mean and 95% t-interval over its runs, and every rule's paired difference from plain sampling of the same run.
 With two groups (e.g. EDM and flow trained for the same budget) it also reports their Welch difference per rule.
 
+    python -m train.bench.sampling docs/.../dit-sprint-s{0,1,2} --cfg 1.5 2 3 --pdg 1.5 2 3 --rg --gammas --match-flops
+
 Cost per image: the FLOPs of generating one image with the rule (every network evaluation, both guidance
-branches and forced routing included; torch.utils.flop_counter) and the number of network evaluations.
+branches and forced routing included; routing.count_flops) and the number of network evaluations. With
+`--match-flops` every rule gets the sampler steps that spend CFG's FLOPs per image at `--steps` (train/bench/matched.py),
+and the table adds each guidance rule at its best swept scale, paired against the best CFG.
 Writes table.md, table.json and quality_vs_flops.png under --out. Each (run, rule) measurement is saved under
 --out/rows/ with the settings it was made under, so a killed study resumes, and runs sampled by separate calls
 (processes) are combined by one more call over all of them.
@@ -21,9 +26,10 @@ Writes table.md, table.json and quality_vs_flops.png under --out. Each (run, rul
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import matplotlib
@@ -33,8 +39,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from omegaconf import open_dict  # noqa: E402
 
-from edm import generate, with_routing_guidance  # noqa: E402
+from edm import generate, with_path_drop_guidance, with_routing_guidance  # noqa: E402
 from routing import ConfigError, count_flops  # noqa: E402
+from train.bench import matched  # noqa: E402
 from train.bench.stats import summary, verdict, welch_difference  # noqa: E402
 from train.bench.store import reuse_or_compute, write_json_atomic  # noqa: E402
 from train.build import objective_name  # noqa: E402
@@ -49,20 +56,24 @@ SCORES = {"classifier_fd": True, "class_accuracy": False}  # score: lower is bet
 
 @dataclass
 class Rule:
-    """One way to sample: CFG scale, forced routing ratio, routing guidance (scale, gamma_1, gamma_2, unconditional)."""
+    """One way to sample: CFG scale, forced routing ratio, routing guidance (scale, gamma_1, gamma_2, unconditional),
+    path-drop guidance scale, and its sampler steps (None: --steps)."""
 
     name: str
-    kind: str  # plain | routed | cfg | rg
+    kind: str  # plain | routed | cfg | rg | pdg
     cfg: float = 1.0
     route_ratio: float = 0.0
     rg: tuple[float, float, float] | None = None
     unconditional: bool = False  # routing guidance as released (both branches get the null label)
+    pdg: float | None = None  # SPRINT's path-drop guidance w
+    steps: int | None = None
 
 
-def rules(gammas: list[float], cfg_scales: list[float], rg_specs: list[str]) -> list[Rule]:
+def rules(gammas: list[float], cfg_scales: list[float], rg_specs: list[str], pdg_scales: list[float] = ()) -> list[Rule]:
     out = [Rule("plain", "plain")]
     out += [Rule(f"routed {g:g}", "routed", route_ratio=g) for g in gammas if g > 0]
     out += [Rule(f"CFG {w:g}", "cfg", cfg=w) for w in cfg_scales]
+    out += [Rule(f"PDG {w:g}", "pdg", pdg=w) for w in pdg_scales]
     for spec in rg_specs:
         parts = spec.split(",")
         unconditional = parts[-1] == "uncond"
@@ -82,7 +93,9 @@ def sample(loaded, rule: Rule, labels: torch.Tensor, steps: int, seed: int, devi
     if rule.rg is not None:
         w, g1, g2 = rule.rg
         net = with_routing_guidance(net, router, w, g1 or None, g2, unconditional=rule.unconditional, null_label=ds.num_classes)
-    return generate(net, labels, shape=ds.shape, steps=steps, guidance=rule.cfg, seed=seed, device=device,
+    if rule.pdg is not None:
+        net = with_path_drop_guidance(net, router, rule.pdg, ds.num_classes)
+    return generate(net, labels, shape=ds.shape, steps=rule.steps or steps, guidance=rule.cfg, seed=seed, device=device,
                     null_label=ds.num_classes, objective=loaded.objective, router=router, route_ratio=rule.route_ratio)
 
 
@@ -108,7 +121,18 @@ def reference(loaded):
 
 def group_of(cfg) -> str:
     """The recipe a run belongs to: its objective, backbone and routing (the seed is what varies inside a group)."""
-    return f"{objective_name(cfg)} {cfg.backbone.name}-{cfg.routing.policy}"
+    recipe = "sprint" if any(r.get("mode") == "sprint" for r in cfg.routing.routes) else cfg.routing.policy
+    return f"{objective_name(cfg)} {cfg.backbone.name}-{recipe}"
+
+
+def at_matched_flops(loaded, rule_list: list[Rule], labels, args) -> list[Rule]:
+    """Every rule with the sampler steps that spend CFG's FLOPs per image at --steps (train/bench/matched.py)."""
+    def flops_at(rule: Rule, steps: int) -> int:
+        return count_flops(lambda: sample(loaded, replace(rule, steps=steps), labels[:1], steps, args.seed, args.device))
+
+    budget = flops_at(Rule("CFG", "cfg", cfg=2.0), args.steps)
+    return [replace(rule, steps=matched.matched_steps(functools.cache(functools.partial(flops_at, rule)), budget, args.steps))
+            for rule in rule_list]
 
 
 def evaluate(run: str, rule_list: list[Rule], args) -> list[dict]:
@@ -120,6 +144,8 @@ def evaluate(run: str, rule_list: list[Rule], args) -> list[dict]:
     count = min(len(real), args.num_real)
     real_features = features(classifier, real.get(torch.randperm(len(real), generator=torch.Generator().manual_seed(0))[:count])[0])
     labels = grid_labels(ds.num_classes, args.per_class)
+    if args.match_flops:
+        rule_list = at_matched_flops(loaded, rule_list, labels, args)
     rows = []
     for rule in rule_list:
         def measure(rule=rule) -> dict:
@@ -132,10 +158,11 @@ def evaluate(run: str, rule_list: list[Rule], args) -> list[dict]:
         settings = {"checkpoint": str(loaded.checkpoint.resolve()), "step": loaded.step, "rule": asdict(rule),
                     "steps": args.steps, "per_class": args.per_class, "num_real": count, "seed": args.seed,
                     "classifier": meta["config"], "device": args.device}
-        name = f"{loaded.checkpoint.resolve()}-{rule.name}".replace("/", "_").replace(" ", "_")
+        name = f"{loaded.checkpoint.resolve()}-{rule.name}{f'-{rule.steps}steps' if rule.steps else ''}".replace("/", "_").replace(" ", "_")
         measured = reuse_or_compute(args.out / "rows" / f"{name}.json", settings, measure, f"{run}: {rule.name}")
         rows.append({"run": run, "group": group_of(loaded.cfg), "seed": loaded.cfg.seed, "step": loaded.step, "rule": rule.name,
-                     "kind": rule.kind, **{k: measured[k] for k in ("gflops_per_image", "evaluations", *SCORES)},
+                     "kind": rule.kind, "sampler_steps": rule.steps or args.steps,
+                     **{k: measured[k] for k in ("gflops_per_image", "evaluations", *SCORES)},
                      "reference": f"{count} {where} images", "classifier_accuracy": meta["heldout_accuracy"]})
     return rows
 
@@ -149,6 +176,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
         for rule in dict.fromkeys(r["rule"] for r in mine):
             runs = [r for r in mine if r["rule"] == rule]
             agg = {"group": group, "rule": rule, "kind": runs[0]["kind"], "runs": len(runs), "steps_trained": runs[0]["step"],
+                   "sampler_steps": runs[0].get("sampler_steps"),
                    "gflops_per_image": runs[0]["gflops_per_image"], "evaluations": runs[0]["evaluations"]}
             for key, lower in SCORES.items():
                 s = summary([r[key] for r in runs])
@@ -193,11 +221,11 @@ def _diff(mean, half, verdict_, fmt: str) -> str:
 
 
 def markdown(agg: list[dict], cross: list[dict], command: str, rows: list[dict]) -> str:
-    lines = ["| group | rule | evaluations / image | GFLOPs / image | classifier-FD | class accuracy | FD vs plain (paired) | "
-             "accuracy vs plain (paired) |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| group | rule | sampler steps | evaluations / image | GFLOPs / image | classifier-FD | class accuracy | "
+             "FD vs plain (paired) | accuracy vs plain (paired) |", "|---|---|---|---|---|---|---|---|---|"]
     for a in agg:
         lines.append(
-            f"| {a['group']} | {a['rule']} | {a['evaluations']} | {a['gflops_per_image']:.3f} | "
+            f"| {a['group']} | {a['rule']} | {a.get('sampler_steps', '')} | {a['evaluations']} | {a['gflops_per_image']:.3f} | "
             f"{_pm(a['classifier_fd'], a['classifier_fd_ci95'], '{:.2f}')} | "
             f"{_pm(a['class_accuracy'], a['class_accuracy_ci95'], '{:.1%}')} | "
             f"{_diff(a.get('classifier_fd_vs_plain'), a.get('classifier_fd_vs_plain_ci95'), a.get('classifier_fd_vs_plain_verdict'), '{:+.2f}')} | "
@@ -219,12 +247,15 @@ def markdown(agg: list[dict], cross: list[dict], command: str, rows: list[dict])
                 span = "" if d["low"] is None else f" [{fmt.format(d['low'])}, {fmt.format(d['high'])}]"
                 cells.append(f"{fmt.format(d['diff'])}{span} {d['verdict']}")
             lines.append(f"| {c['rule']} | {' | '.join(cells)} |")
+    best = matched.best_per_kind(agg)
+    if best:
+        lines += matched.markdown(best, matched.against_cfg(rows, best))
     return "\n".join(lines) + "\n"
 
 
 def plot(agg: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    markers = {"plain": "o", "routed": "v", "cfg": "s", "rg": "*"}
+    markers = {"plain": "o", "routed": "v", "cfg": "s", "rg": "*", "pdg": "D"}
     for gi, group in enumerate(dict.fromkeys(a["group"] for a in agg)):
         colour = f"C{gi}"
         for kind, marker in markers.items():
@@ -253,7 +284,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cfg", type=bounded(float, 0, 100), nargs="*", default=[1.5, 2.0], help="classifier-free guidance scales")
     parser.add_argument("--rg", nargs="*", default=["1.5,0,0.5", "2,0,0.5", "2,0.25,0.75"],
                         help="routing guidance: scale,gamma_1,gamma_2 (append ,uncond for the released unconditional rule)")
+    parser.add_argument("--pdg", type=bounded(float, 0, 100), nargs="*", default=[],
+                        help="SPRINT's path-drop guidance scales (SPRINT models only)")
     parser.add_argument("--steps", type=bounded(int, 1), default=18, help="sampler steps")
+    parser.add_argument("--match-flops", action="store_true",
+                        help="every rule gets the sampler steps that spend CFG's FLOPs per image at --steps")
     parser.add_argument("--per-class", type=bounded(int, 2), default=20)
     parser.add_argument("--num-real", type=bounded(int, 2), default=1000, help="real images of the FD reference")
     parser.add_argument("--seed", type=bounded(int, 0), default=0, help="sampling seed (the same for every run and rule)")
@@ -270,7 +305,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the store's "reused ..." lines
     if args.threads:
         torch.set_num_threads(args.threads)
-    rule_list = rules(args.gammas, args.cfg, args.rg)
+    rule_list = rules(args.gammas, args.cfg, args.rg, args.pdg)
     command = " ".join(["python -m train.bench.sampling", *(argv if argv is not None else sys.argv[1:])])
     args.out.mkdir(parents=True, exist_ok=True)
     rows = [row for run in args.runs for row in evaluate(run, rule_list, args)]
