@@ -3,6 +3,7 @@
 import csv
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from train.bench.cost import speedups
 from train.metrics.classifier import ClassifierConfig, SmallCNN, cache_path, features, load_or_train, sample_scores
 from train.data.embedded import TensorDataset
 from routing import count_flops
-from conftest import run_module
+from conftest import CONFIGS, run_module
 
 
 class MLPBlock(nn.Module):
@@ -223,3 +224,37 @@ def test_a_bad_invocation_key_is_one_sentence_before_any_work(tmp_path, key):
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
     assert key.split("=")[0] in bad.stderr
     assert not (tmp_path / "bench" / "cost.json").exists()  # refused before the cost phase
+
+
+def test_a_claimed_cell_is_skipped_while_its_process_lives_and_taken_over_after(tmp_path):
+    import subprocess
+
+    from train.bench.claims import claim
+
+    path = tmp_path / "claims" / "dit-none-s0.pid"
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        path.parent.mkdir(parents=True)
+        path.write_text(str(other.pid))
+        with claim(path) as holder:
+            assert holder == other.pid, "a live process's claim is respected"
+    finally:
+        other.kill()
+        other.wait()
+    with claim(path) as holder:
+        assert holder is None and path.read_text() == str(os.getpid()), "a dead process's claim is taken over"
+    assert not path.exists(), "released after the block"
+
+
+def test_grid_last_pairs_come_after_every_seed_of_the_others():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from train.bench.cells import grid_cells
+
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        bench = compose(config_name="bench", overrides=["bench=smoke", "seeds=[0,1]", "grid.backbones=[dit]",
+                                                        "grid.routings=[none,random,rows]", "grid.last=[dit-rows]"])
+        names = [c.name for c in grid_cells(bench)]
+    assert names == ["dit-none-s0", "dit-random-s0", "dit-none-s1", "dit-random-s1", "dit-rows-s0", "dit-rows-s1"]
+    assert OmegaConf.select(bench, "grid.last") == ["dit-rows"]

@@ -76,11 +76,13 @@ def compose_cell(bench: DictConfig, backbone: str, routing: str, seed: int) -> C
 def grid_cells(bench: DictConfig) -> list[Cell]:
     """Every (backbone, routing, seed) of the grid, seed-major so a partial run covers every pair evenly.
 
-    `grid.skip` drops pairs ("rwkv-random"), e.g. the 1-D ablations when CPU time is short.
+    `grid.skip` drops pairs ("rwkv-random"), e.g. the 1-D ablations when CPU time is short; the pairs in `grid.last`
+    come after every seed of the others, so a bench cut short has spread where it matters most.
     """
-    skip = set(bench.grid.get("skip") or [])
-    return [compose_cell(bench, b, r, s) for s in bench.seeds for b in bench.grid.backbones for r in bench.grid.routings
-            if f"{b}-{r}" not in skip]
+    skip, last = set(bench.grid.get("skip") or []), list(bench.grid.get("last") or [])
+    pairs = [(b, r) for b in bench.grid.backbones for r in bench.grid.routings if f"{b}-{r}" not in skip]
+    order = [p for p in pairs if f"{p[0]}-{p[1]}" not in last], [p for p in pairs if f"{p[0]}-{p[1]}" in last]
+    return [compose_cell(bench, b, r, s) for group in order for s in bench.seeds for b, r in group]
 
 
 def set_step_budget(cell: Cell, steps: int | None, speedup: float | None) -> None:

@@ -41,6 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from routing import ConfigError
+from train.bench.claims import claim
 from train.bench.cells import grid_cells, set_step_budget
 from train.bench.cost import measure_costs, speedups
 from train.bench.plots import plot_bars, plot_loss_curves, plot_quality_curves
@@ -152,17 +153,25 @@ def run(bench: DictConfig) -> list[dict]:
     runs: dict[str, list[dict]] = {c.key: [] for c in pairs}
     warm = functools.cache(lambda: warm_up(pairs, dataset.shape, dataset.num_classes, bench))  # once, if any cell trains
     mine = [c for i, c in enumerate(cells) if shard is None or i % shard[1] == shard[0]]
-    missing = []
+    missing, elsewhere = [], []
     for cell in tqdm(mine, desc="quality: cells", dynamic_ncols=True):
         settings = {"train": OmegaConf.to_container(cell.cfg, resolve=True), **eval_settings}
-        path = results / "cells" / f"{cell.name}.json"
-        if measured_only:
-            saved = saved_result(path, settings, {"train": cell.plain})
+        path, defaults = results / "cells" / f"{cell.name}.json", {"train": cell.plain}
+        saved = saved_result(path, settings, defaults)
+        if saved is not None or measured_only:
             runs[cell.key] += [saved] if saved else []
             missing += [] if saved else [cell.name]
             continue
-        compute = lambda cell=cell: warm() or train_and_score(cell, evaluation, out)  # noqa: E731
-        runs[cell.key].append(reuse_or_compute(path, settings, compute, f"cell {cell.name}", {"train": cell.plain}))
+        with claim(out / "claims" / f"{cell.name}.pid") as holder:  # other processes of this command skip it meanwhile
+            if holder is not None:
+                elsewhere.append(f"{cell.name} (process {holder})")
+                continue
+            compute = lambda cell=cell: warm() or train_and_score(cell, evaluation, out)  # noqa: E731
+            runs[cell.key].append(reuse_or_compute(path, settings, compute, f"cell {cell.name}", defaults))
+    if elsewhere:
+        log.info(f"{len(elsewhere)} cells are being trained by other processes: {', '.join(elsewhere)}; run the command again "
+                 "once they finish to write the table (it reuses every cell).")
+        return []
     if missing:
         log.warning(f"measured_only: {len(missing)} cells are not measured yet and stay out of the table: {', '.join(missing)}")
         pairs = [c for c in pairs if runs[c.key]]
