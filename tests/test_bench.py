@@ -258,3 +258,21 @@ def test_grid_last_pairs_come_after_every_seed_of_the_others():
         names = [c.name for c in grid_cells(bench)]
     assert names == ["dit-none-s0", "dit-random-s0", "dit-none-s1", "dit-random-s1", "dit-rows-s0", "dit-rows-s1"]
     assert OmegaConf.select(bench, "grid.last") == ["dit-rows"]
+
+
+def test_recipe_table_names_the_winner_per_family_and_compares_recipes_with_welch_intervals():
+    from train.bench import recipes
+
+    def row(backbone, routing, fd, kind="routed"):
+        return {"backbone": backbone, "routing": routing, "kind": kind, "classifier_fd_seeds": fd, "class_accuracy_seeds": [0.5] * len(fd)}
+
+    rows = [row("rwkv", "none", [80.0, 82.0, 81.0], "baseline"), row("rwkv", "random", [10.0, 11.0, 12.0], "ablation"),
+            row("rwkv", "rows", [70.0, 71.0, 72.0]), row("rwkv", "structured", [60.0, 61.0, 62.0]),
+            row("rwkv", "sprint", [50.0, 65.0, 80.0], "sprint")]
+    lines = recipes.markdown(rows)
+    best = next(l for l in lines if l.startswith("| rwkv | classifier-FD, equal compute"))
+    # The 1-D ablation (random on a scan-order model, FD 11) is no recipe: structured has the best mean, and SPRINT's
+    # seeds spread too far to separate it from the runner-up.
+    assert best.endswith("| structured | -4.0 [-41.0, +33.0] ties (vs sprint) |"), best
+    assert "| rwkv | structured - rows | -10.0 [-12.3, -7.7] wins |" in "\n".join(lines)
+    assert "| rwkv | sprint - structured | +4.0 [-33.0, +41.0] ties |" in "\n".join(lines)

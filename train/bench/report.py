@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from train.bench import recipes
 from train.bench.cells import Cell
 from train.bench.cost import speedups
 from train.bench.quality import STALL
@@ -43,7 +44,8 @@ def table_rows(pairs: list[Cell], costs: dict, runs: dict[str, list[dict]], base
         quality = runs[cell.key]
         row = {
             "backbone": cell.backbone, "routing": cell.routing,
-            "kind": "ablation" if cell.ablation else ("routed" if cell.cfg.routing.routes else "baseline"),
+            "kind": "ablation" if cell.ablation else ("sprint" if any(r.get("mode") == "sprint" for r in cell.cfg.routing.routes)
+                                                      else "routed" if cell.cfg.routing.routes else "baseline"),
             "params": cost["params"], "activated_params": cost.get("activated_params", cost["params"]), "tokens": cost["tokens"],
             "gflops_per_step": cost["flops"] / 1e9,
             **speedups(costs.get(f"{cell.backbone}-none"), cost),
@@ -59,6 +61,8 @@ def table_rows(pairs: list[Cell], costs: dict, runs: dict[str, list[dict]], base
                 row[key] = s["mean"]
             if s["std"] is not None:
                 row[f"{key}_std"], row[f"{key}_ci95"] = s["std"], s["ci95"]
+        for key in COMPARED:  # per seed, for the recipe comparisons (train/bench/recipes.py)
+            row[f"{key}_seeds"] = [q.get(key) for q in quality]
         # Without MoE layers a token activates every weight, at sampling as in training.
         row.setdefault("activated_params_inference", row["activated_params"])
         if quality and quality[0].get("at_step") is not None:
@@ -159,7 +163,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     routed = comparison(rows, "_", "Routed minus unrouted (same backbone)")
     against_base = comparison(rows, "_vs_base_", "Each row minus its baseline row under the same routing (the MoE rows minus "
                                                  "dit, the dense baseline at the same activated parameters)", baseline=True)
-    return "\n".join(lines + notes + routed + against_base) + "\n"
+    return "\n".join(lines + notes + routed + against_base + recipes.markdown(rows)) + "\n"
 
 
 def comparison(rows: list[dict], prefix: str, title: str, baseline: bool = False) -> list[str]:
@@ -191,9 +195,9 @@ def write_tables(rows: list[dict], meta: dict, out: Path) -> str:
     text = markdown(rows, meta)
     (out / "table.md").write_text(text)
     write_json_atomic(out / "table.json", {"meta": meta, "rows": rows})
-    keys = list(dict.fromkeys(k for r in rows for k in r))
+    keys = list(dict.fromkeys(k for r in rows for k in r if not k.endswith("_seeds")))  # per-seed lists: table.json only
     with (out / "table.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=keys)
         writer.writeheader()
-        writer.writerows({k: "n/a" if r.get(k) is None else r[k] for k in keys} for r in rows)
+        writer.writerows({k: "n/a" if r.get(k) is None else r[k] for k in keys if not k.endswith("_seeds")} for r in rows)
     return text
