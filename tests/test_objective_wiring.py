@@ -43,13 +43,13 @@ def test_routed_inference_and_routing_guidance_sample_a_flow_model(tmp_path):
                         "--route-ratio", "0.5", "--out", str(tmp_path / "routed.png"))
     assert routed.returncode == 0, routed.stderr
     # Forcing half the tokens past the route makes each evaluation cheaper than the unrouted network.
-    ratio = float(re.search(r"ratio ([0-9.]+)\)", routed.stdout).group(1))
+    ratio = float(re.search(r"the unguided network [0-9.]+ G \(([0-9.]+)x\)", routed.stdout).group(1))
     assert ratio < 1.0
     guided = run_module("train.sample", str(run), "--steps", "2", "--per-class", "1", "--rg-scale", "2",
                         "--rg-gamma1", "0.2", "--rg-gamma2", "0.6", "--out", str(tmp_path / "guided.png"))
     assert guided.returncode == 0, guided.stderr
     # Two branches, each routed: more than one unrouted evaluation, less than two.
-    ratio = float(re.search(r"ratio ([0-9.]+)\)", guided.stdout).group(1))
+    ratio = float(re.search(r"the unguided network [0-9.]+ G \(([0-9.]+)x\)", guided.stdout).group(1))
     assert 1.0 < ratio < 2.0
     assert (tmp_path / "routed.png").exists() and (tmp_path / "guided.png").exists()
 

@@ -158,6 +158,8 @@ def run(bench: DictConfig) -> list[dict]:
         settings = {"train": OmegaConf.to_container(cell.cfg, resolve=True), **eval_settings}
         path, defaults = results / "cells" / f"{cell.name}.json", {"train": cell.plain}
         saved = saved_result(path, settings, defaults)
+        if saved is not None:
+            log.info(f"reused cell {cell.name} from {path}")
         if saved is not None or measured_only:
             runs[cell.key] += [saved] if saved else []
             missing += [] if saved else [cell.name]
