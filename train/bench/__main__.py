@@ -5,7 +5,16 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from train.cli import friendly_errors, precompose
+from routing import ConfigError
+from train.cli import check_device, friendly_errors, precompose
+
+
+def check_settings(bench: DictConfig) -> None:
+    """The bench's own keys that its cells' training configs do not check, before any output folder exists."""
+    batch = bench.train.batch_size
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ConfigError(f"train.batch_size={batch!r} must be a positive integer (e.g. train.batch_size=32).")
+    check_device(str(bench.device), "device")
 
 
 @hydra.main(config_path="../../configs", config_name="bench", version_base="1.3")
@@ -17,5 +26,5 @@ def main(bench: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    precompose("bench", sys.argv[1:], check=False)  # a bad key or option: one sentence, exit 2
+    precompose("bench", sys.argv[1:], check=check_settings)  # a bad key, option or value: one sentence, exit 2
     main()
