@@ -5,10 +5,11 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from train.cli import friendly_errors, precompose
+from train.cli import CONFIGS, friendly_errors, precompose
 
 
-@hydra.main(config_path="../configs", config_name="config", version_base="1.3")
+# An absolute folder: a relative one resolves as a Python package when the entry point is imported (tests).
+@hydra.main(config_path=str(CONFIGS), config_name="config", version_base="1.3")
 @friendly_errors
 def main(cfg: DictConfig) -> None:
     from train.rundir import HydraRecord

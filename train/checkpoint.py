@@ -123,9 +123,11 @@ def save_checkpoint(ckpt_root: Path, step: int, model, ema_model, optimizer, cfg
         (tmp / "state.json").write_text(json.dumps(state))
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     except BaseException as err:
+        # torch.save and safetensors report a full disk with their own types (classified before the cleanup frees space).
+        failure = as_os_error(err, tmp / "x") if isinstance(err, Exception) and not isinstance(err, OSError) else None
         shutil.rmtree(tmp, ignore_errors=True)  # a full disk leaves no half-written folder behind
-        if isinstance(err, Exception) and not isinstance(err, OSError):
-            raise as_os_error(err, tmp) from err  # torch.save and safetensors report a full disk with their own types
+        if failure is not None:
+            raise failure from err
         raise
     if final.exists():
         aside = ckpt_root / f"{REPLACED_PREFIX}{final.name}"

@@ -70,14 +70,14 @@ def is_disk_full(err: BaseException) -> bool:
     return getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(err)
 
 
-def precompose(config_name: str, overrides: list[str], check: Callable[[DictConfig], None] | None = None) -> None:
+def precompose(config_name: str, overrides: list[str], check: Callable[[DictConfig], None] | None = None) -> DictConfig | None:
     """Compose `config_name` with the command line's overrides before Hydra does, so that a wrong type, an
     unknown key or option, or a value out of range is one sentence with exit code 2 (Hydra would print a
-    multi-line report with exit code 1), and nothing, not even the run folder, is created.
+    multi-line report with exit code 1), and nothing, not even the run folder, is created. Returns the config.
 
     `check`: what else the composed config must pass (the training config's: the schema, `check_config`)."""
     if any(arg.startswith("-") for arg in overrides):
-        return  # Hydra's own flags (--help, --multirun, --cfg, ...): Hydra handles the command line
+        return None  # Hydra's own flags (--help, --multirun, --cfg, ...): Hydra handles the command line
     from hydra import compose, initialize_config_dir
 
     training = config_name == "config"
@@ -94,6 +94,7 @@ def precompose(config_name: str, overrides: list[str], check: Callable[[DictConf
         (check or (check_config if training else lambda _: None))(cfg)
     except ConfigError as err:
         _refuse(err)
+    return cfg
 
 
 def _plain_config_error(config_name: str, err: BaseException) -> ConfigError:
@@ -158,14 +159,13 @@ def existing(what: str = "path"):
     return parse
 
 
-def _writable_folder(path: Path, text: str) -> None:
-    """Refuse (ArgumentTypeError) a path whose nearest existing part is a file or a folder we cannot write into."""
-    existing_part = next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
-    if existing_part != path and not existing_part.is_dir():
+def _writable_folder(folder: Path, text: str) -> None:
+    """Refuse (ArgumentTypeError) an output folder under a file, or whose nearest existing part we cannot write into."""
+    existing_part = next(p for p in (folder, *folder.parents) if p.exists() or p.is_symlink())
+    if not existing_part.is_dir():
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: it lies under {str(existing_part)!r}, which is a file")
-    folder = existing_part if existing_part.is_dir() else existing_part.parent
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {str(folder)!r} is not writable")
+    if not os.access(existing_part, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {str(existing_part)!r} is not writable")
 
 
 def writable_file(text: str) -> Path:

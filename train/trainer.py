@@ -191,7 +191,8 @@ class Trainer:
         if path is None:
             if resume == "auto":
                 return
-            raise ConfigError(f"resume={resume} but {ckpt_root} holds no checkpoint; drop resume= or point run_dir= at the run to continue.")
+            raise ConfigError(f"resume={'true' if resume is True else resume} but {ckpt_root} holds no checkpoint; drop resume= or "
+                              "point run_dir= at the run to continue.")
         if not path.is_dir():
             raise ConfigError(f"resume={resume!r} is not a checkpoint folder; pass resume=auto or a step_* folder "
                               f"(e.g. resume={ckpt_root / 'step_0000100'}).")
@@ -364,34 +365,36 @@ class Trainer:
         budget = t.max_minutes * 60 if t.max_minutes else math.inf
         began = time.perf_counter()
         bar = tqdm(total=t.max_steps, initial=self.step, disable=not self.acc.is_main_process, desc="train", dynamic_ncols=True)
-        while self.step < t.max_steps:
-            tic = time.perf_counter()
-            loss = self.train_step()
-            seconds = time.perf_counter() - tic
-            losses.append(loss)
-            images_per_s = t.batch_size / seconds
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{images_per_s:.0f}")
-            last = self.step == t.max_steps or time.perf_counter() - began > budget
-            if self.step % t.log_every == 0 or last or self.bad_streak == 1:
-                self._write("metrics.jsonl", self.logger.log, self.step, {
-                    "loss": loss, **self.last_aux, "images_per_s": images_per_s, "seconds": time.perf_counter() - began,
-                    "skipped_steps": self.skipped_steps})
-            if self.bad_streak == 1:
-                self.acc.print(f"step {self.step}: non-finite loss or gradient; the step is skipped (no update, no EMA)")
-            if self.bad_streak >= t.max_bad_steps:
-                self._stop_diverged()
-            # Save first: a failing preview must not cost the checkpoint of its step. No checkpoint while the
-            # newest step was non-finite: the weights that produced it must not rotate out good ones.
-            if t.ckpt_every and (self.step % t.ckpt_every == 0 or last) and not self.bad_streak:
-                self.save()
-            if t.sample_every and (self.step % t.sample_every == 0 or last):
-                self.sample_grid()
-            if cfg.fid.every and (self.step % cfg.fid.every == 0 or last):
-                self.evaluate_fid()
-            if last:
-                break
-        bar.close()
+        try:
+            while self.step < t.max_steps:
+                tic = time.perf_counter()
+                loss = self.train_step()
+                seconds = time.perf_counter() - tic
+                losses.append(loss)
+                images_per_s = t.batch_size / seconds
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{images_per_s:.0f}")
+                last = self.step == t.max_steps or time.perf_counter() - began > budget
+                if self.step % t.log_every == 0 or last or self.bad_streak == 1:
+                    self._write("metrics.jsonl", self.logger.log, self.step, {
+                        "loss": loss, **self.last_aux, "images_per_s": images_per_s, "seconds": time.perf_counter() - began,
+                        "skipped_steps": self.skipped_steps})
+                if self.bad_streak == 1:
+                    self.acc.print(f"step {self.step}: non-finite loss or gradient; the step is skipped (no update, no EMA)")
+                if self.bad_streak >= t.max_bad_steps:
+                    self._stop_diverged()
+                # Save first: a failing preview must not cost the checkpoint of its step. No checkpoint while the
+                # newest step was non-finite: the weights that produced it must not rotate out good ones.
+                if t.ckpt_every and (self.step % t.ckpt_every == 0 or last) and not self.bad_streak:
+                    self.save()
+                if t.sample_every and (self.step % t.sample_every == 0 or last):
+                    self.sample_grid()
+                if cfg.fid.every and (self.step % cfg.fid.every == 0 or last):
+                    self.evaluate_fid()
+                if last:
+                    break
+        finally:
+            bar.close()  # before any message of a stopped run, so it starts a line of its own
         self.logger.close()
         self._release_run_dir()
         return losses

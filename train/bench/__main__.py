@@ -6,7 +6,7 @@ import hydra
 from omegaconf import DictConfig
 
 from routing import ConfigError
-from train.cli import check_device, friendly_errors, precompose
+from train.cli import CONFIGS, check_device, friendly_errors, precompose
 
 
 def check_settings(bench: DictConfig) -> None:
@@ -17,7 +17,8 @@ def check_settings(bench: DictConfig) -> None:
     check_device(str(bench.device), "device")
 
 
-@hydra.main(config_path="../../configs", config_name="bench", version_base="1.3")
+# An absolute folder: a relative one resolves as a Python package when the entry point is imported (tests).
+@hydra.main(config_path=str(CONFIGS), config_name="bench", version_base="1.3")
 @friendly_errors
 def main(bench: DictConfig) -> None:
     from train.bench.runner import run
@@ -25,6 +26,12 @@ def main(bench: DictConfig) -> None:
     run(bench)
 
 
-if __name__ == "__main__":
-    precompose("bench", sys.argv[1:], check=check_settings)  # a bad key, option or value: one sentence, exit 2
+def cli(argv: list[str]) -> None:
+    """What `python -m train.bench ARGS` runs (tests call it in-process)."""
+    precompose("bench", argv, check=check_settings)  # a bad key, option or value: one sentence, exit 2
+    sys.argv = [sys.argv[0], *argv]  # Hydra reads its command line from sys.argv
     main()
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])

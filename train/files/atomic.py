@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,8 +37,16 @@ def write_atomic(path: str | os.PathLike, data: str | bytes | Callable[[Path], N
         tmp.unlink(missing_ok=True)
 
 
+# torch.save says only "unexpected pos ..." when the disk fills: less free space than this after a failed write
+# (before its partial file is removed) is taken as a full disk.
+NEARLY_FULL = 16 << 20
+
+
 def as_os_error(err: BaseException, path: str | os.PathLike) -> OSError:
-    """A library's failed write as an OSError on `path` (ENOSPC when its message says the disk is full)."""
+    """A library's failed write as an OSError on `path` (ENOSPC when the disk is full); call before cleaning up."""
     text = (str(err).strip().splitlines() or [type(err).__name__])[0]
     full = "No space left on device" in str(err) or "os error 28" in str(err)
+    if not full:
+        folder = next((p for p in Path(path).parents if p.exists()), None)
+        full = folder is not None and shutil.disk_usage(folder).free < NEARLY_FULL
     return OSError(errno.ENOSPC if full else errno.EIO, f"{type(err).__name__}: {text}", str(path))

@@ -85,18 +85,20 @@ def typed(schema: type, value: Any, path: str | os.PathLike, fix: str, where: st
     except OmegaConfBaseException as err:
         key = f"{where}{err.full_key}" if err.full_key else where.rstrip(".") or "?"
         found = getattr(err, "value", None)
-        expected = _expected(hints.get(str(err.full_key).split("[")[0]))
+        name = str(err.full_key).split("[")[0]
+        expected = _expected(hints.get(name), item="[" in str(err.full_key))
         raise damaged(path, f"field '{key}' = {found!r} is not {expected}", fix) from None
 
 
-def _expected(tp: Any) -> str:
-    """'an integer', 'a list of numbers', ... for a field's type hint."""
+def _expected(tp: Any, item: bool = False) -> str:
+    """'an integer', 'a list of numbers', ... for a field's type hint (`item`: for one item of a list field)."""
     if tp is None:
         return "of the expected type"
     args = [a for a in typing.get_args(tp) if a is not type(None)] if typing.get_origin(tp) is typing.Union else [tp]
     base = args[0] if len(args) == 1 else tp
     if typing.get_origin(base) is list:
-        return "a list of " + _PLURAL.get(typing.get_args(base)[0], "values")
+        inner = typing.get_args(base)[0]
+        return _KIND.get(inner, "of the expected type") if item else "a list of " + _PLURAL.get(inner, "values")
     return _KIND.get(typing.get_origin(base) or base, "of the expected type")
 
 
