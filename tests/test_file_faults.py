@@ -160,3 +160,12 @@ def test_a_half_written_last_metrics_line_is_dropped_on_resume(tmp_path):
     resumed = Trainer(cfg(run, "trainer.max_steps=3", "resume=auto"))
     resumed.fit()
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_overwrite_moves_aside_a_run_whose_log_is_damaged(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\ngarbage\n')
+    Trainer(cfg(run, "overwrite=true"))
+    (old,) = tmp_path.glob("run.old-*")
+    assert (old / "metrics.jsonl").read_text() == '{"step": 1}\ngarbage\n' and not (run / "metrics.jsonl").exists()

@@ -150,7 +150,9 @@ class Trainer:
         self._maybe_resume()
         # Divergence guard: the trained weights' norm at the start and at each checkpoint that passed.
         self.norms = [(self.step, self._weight_norm())]
-        self._metrics = read_metrics(self.run_dir / "metrics.jsonl") if self.acc.is_main_process else None
+        # The log this run continues (none when overwrite=true moves the old run aside, however damaged its log).
+        keep = self.acc.is_main_process and not self._move_aside
+        self._metrics = read_metrics(self.run_dir / "metrics.jsonl") if keep else []
 
     def _commit(self, record: HydraRecord | None) -> None:
         """The first writes, once every check has passed: the folder and its lock, what a killed save left, an
