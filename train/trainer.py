@@ -27,8 +27,8 @@ from train.checkpoint import NonFiniteWeights, latest_checkpoint, load_checkpoin
 from train.cli import RunStopped, is_disk_full
 from train.data import build_dataset
 from train.data.prefetch import Prefetcher
-from train.grid import grid_labels, save_grid
 from train.data.prompts import check_table
+from train.grid import grid_labels, save_grid
 from train.files import read_metrics, write_atomic
 from train.logger import MetricsLogger
 from train.rundir import HydraRecord, RunDirClaim, check_run_dir, move_aside, refuse_used
@@ -324,8 +324,8 @@ class Trainer:
                          f"gradient and were skipped (trainer.max_bad_steps={self.cfg.trainer.max_bad_steps}); {good}.")
 
     def _check_weight_growth(self) -> None:
-        """Refuse to checkpoint weights whose norm jumped far beyond the run's recent history (exploding but finite:
-        e.g. a huge weight decay), so they never rotate out a good checkpoint; the run stops (exit code 3)."""
+        """Refuse to checkpoint weights whose norm jumped far beyond the run's recent history (exploding but finite, as
+        with a learning rate far too high), so they never rotate out a good checkpoint; the run stops (exit code 3)."""
         growth = self.cfg.trainer.get("max_weight_growth")
         norm = self._weight_norm()
         reference = max(n for _, n in self.norms[-RECENT_NORMS:])
