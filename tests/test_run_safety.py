@@ -58,9 +58,11 @@ def test_a_second_trainer_on_a_folder_in_use_is_refused(tmp_path):
         deadline = time.time() + 120
         while time.time() < deadline and not (run / "metrics.jsonl").exists():
             time.sleep(0.2)
+        record = (run / ".hydra" / "overrides.yaml").read_text()
         second = run_module("train", *FAST, f"run_dir={run}", "resume=auto", timeout=120)
         assert second.returncode == 2, second.stderr
         assert f"is in use by another trainer (pid {first.pid})" in second.stderr and "Traceback" not in second.stderr
+        assert (run / ".hydra" / "overrides.yaml").read_text() == record  # the running trainer's record is its own
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
@@ -77,7 +79,7 @@ def test_a_kill_between_removal_and_rename_cannot_lose_the_latest_checkpoint(tmp
 
     def killed_after_first_rename(src, dst):
         calls.append(Path(dst).name)
-        if len(calls) == 2 and Path(dst).name == "step_0000004":
+        if Path(dst).name == "step_0000004" and ".replaced_step_0000004" in calls:
             raise KeyboardInterrupt("killed")
         return real_replace(src, dst)
 
@@ -128,13 +130,17 @@ def test_preview_runs_after_the_save_of_its_step(tmp_path, monkeypatch):
     assert steps_in(run) == ["step_0000002"]
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
-def test_read_only_run_dir_is_one_sentence(tmp_path):
+def test_read_only_run_dir_is_one_sentence(tmp_path, monkeypatch):
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o500)
+    if os.geteuid() == 0:  # root writes into read-only folders: os.access answers as for anyone else
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, **kw: real(p, mode, **kw) and not (
+            mode & os.W_OK and not os.stat(p).st_mode & 0o200))
     with pytest.raises(ConfigError, match="is not writable"):
         Trainer(cfg(ro / "run"))
+    assert list(ro.iterdir()) == []
 
 
 # Resume with changed settings.

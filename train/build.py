@@ -38,17 +38,23 @@ def router_for(cfg_routing: DictConfig, depth: int, grid: tuple[int, int], needs
 
 def build_backbone_for(cfg: DictConfig, shape: tuple[int, int, int], num_classes: int) -> Backbone:
     b = cfg.backbone
-    model = build_backbone(
-        b.name,
-        b.preset,
-        input_size=tuple(shape[1:]),
-        in_channels=shape[0],
-        patch_size=b.patch_size,
-        num_classes=num_classes,
-        depth=b.get("depth"),
-        hidden_size=b.get("hidden_size"),
-        **(b.get("kwargs") or {}),
-    )
+    try:
+        model = build_backbone(
+            b.name,
+            b.preset,
+            input_size=tuple(shape[1:]),
+            in_channels=shape[0],
+            patch_size=b.patch_size,
+            num_classes=num_classes,
+            depth=b.get("depth"),
+            hidden_size=b.get("hidden_size"),
+            **(b.get("kwargs") or {}),
+        )
+    except ConfigError:
+        raise
+    except ValueError as err:  # a family's own check of its arguments (Mamba's headdim, RWKV's width)
+        raise ConfigError(f"backbone={b.name} cannot be built with these settings: {str(err).rstrip('.')}; change backbone.kwargs "
+                          "or backbone.hidden_size (python -m train --help).") from None
     model.attach_router(build_router(cfg.routing, model))
     return model
 

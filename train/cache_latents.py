@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
-from train.cli import ArgumentParser, bounded, existing, friendly_errors
+from train.cli import ArgumentParser, bounded, existing, friendly_errors, output_folder
 from train.data.latent_cache import DTYPES, CacheSettings, cache_latents
 from train.data.latents import DEFAULT_VAE
 
@@ -19,7 +19,7 @@ from train.data.latents import DEFAULT_VAE
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(prog="python -m train.cache_latents", description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", required=True, type=existing("image folder"), help="image folder: one subfolder per class, or flat with --labels-file")
-    parser.add_argument("--out", required=True, help="output folder for shards, meta.json and stats.json")
+    parser.add_argument("--out", required=True, type=output_folder, help="output folder for shards, meta.json and stats.json")
     parser.add_argument("--labels-file", default=None, type=existing("labels file"), help="CSV of `filename,label` rows for a flat folder")
     parser.add_argument("--vae", default=DEFAULT_VAE, help="diffusers AutoencoderKL: local folder (offline) or hub id")
     parser.add_argument("--size", type=bounded(int, 8, 4096, example="--size 256"), default=256, help="image size after centre crop and resize")
@@ -34,7 +34,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict | None:
     """Run the caching; returns meta.json's content on the main process."""
-    return cache_latents(CacheSettings(**vars(parse_args(argv))))
+    args = parse_args(argv)
+    return cache_latents(CacheSettings(**{**vars(args), "out": str(args.out)}))
 
 
 if __name__ == "__main__":

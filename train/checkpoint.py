@@ -21,12 +21,14 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from safetensors.torch import load_file, save_file
 
 from backbones.adapters import load_lora_state_dict, lora_state_dict, model_config, save_lora
 from routing import ConfigError
 from train.build import build_net, finetune_family, objective_for, pretrained_of
 from train.data import build_dataset
+from train.files import as_os_error, read_checkpoint_config, read_latest, read_state, write_atomic
 
 # Sections that fix the shape of the network; changing them makes a checkpoint unloadable.
 MODEL_KEYS = ("backbone", "data", "objective")
@@ -120,19 +122,23 @@ def save_checkpoint(ckpt_root: Path, step: int, model, ema_model, optimizer, cfg
                 save_lora(pretrained_of(ema_model), tmp / "lora")  # the EMA adapter, for load_lora and diffusers
         (tmp / "state.json").write_text(json.dumps(state))
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    except BaseException:
+    except BaseException as err:
+        # torch.save and safetensors report a full disk with their own types (classified before the cleanup frees space).
+        failure = as_os_error(err, tmp / "x") if isinstance(err, Exception) and not isinstance(err, OSError) else None
         shutil.rmtree(tmp, ignore_errors=True)  # a full disk leaves no half-written folder behind
+        if failure is not None:
+            raise failure from err
         raise
     if final.exists():
         aside = ckpt_root / f"{REPLACED_PREFIX}{final.name}"
         shutil.rmtree(aside, ignore_errors=True)
         os.replace(final, aside)
         os.replace(tmp, final)
-        _write_atomic(ckpt_root / "latest", final.name)
+        write_atomic(ckpt_root / "latest", final.name)
         shutil.rmtree(aside)
     else:
         os.replace(tmp, final)
-        _write_atomic(ckpt_root / "latest", final.name)
+        write_atomic(ckpt_root / "latest", final.name)
     rotate_checkpoints(ckpt_root, keep, protect=final)
     return final
 
@@ -165,24 +171,22 @@ def recover_checkpoints(ckpt_root: Path) -> list[str]:
     for tmp in [*ckpt_root.glob(f"{TMP_PREFIX}*"), *ckpt_root.glob(".latest.*")]:
         shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
         done.append(f"removed {tmp.name}")
-    pointer = ckpt_root / "latest"
-    target = pointer.read_text().strip() if pointer.is_file() else None
+    target = read_latest(ckpt_root)
     newest = sorted(p.name for p in ckpt_root.glob("step_*") if p.is_dir())
     if newest and (target is None or not (ckpt_root / target).is_dir()):
-        _write_atomic(pointer, newest[-1])
+        write_atomic(ckpt_root / "latest", newest[-1])
         done.append(f"pointed latest at {newest[-1]}")
     return done
 
 
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    """The checkpoint `latest` names; if a killed save left it dangling, the moved-aside copy or the newest step_*."""
-    pointer = ckpt_root / "latest"
-    if not pointer.exists():
-        return None
-    name = pointer.read_text().strip()
-    for path in (ckpt_root / name, ckpt_root / f"{REPLACED_PREFIX}{name}"):
-        if path.is_dir():
-            return path
+    """The checkpoint `latest` names; if a killed save left it dangling (or it is gone), the moved-aside copy or the
+    newest step_*. A `latest` edited into something that is no checkpoint name is refused (files/run_state.py)."""
+    name = read_latest(ckpt_root) if ckpt_root.is_dir() else None
+    if name is not None:
+        for path in (ckpt_root / name, ckpt_root / f"{REPLACED_PREFIX}{name}"):
+            if path.is_dir():
+                return path
     newest = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
     return newest[-1] if newest else None
 
@@ -194,7 +198,8 @@ def load_checkpoint(path: Path, cfg: DictConfig | None = None) -> dict:
     missing = [name for name in needed if not (path / name).is_file()]
     if missing:
         raise ConfigError(f"checkpoint '{path}' is missing {missing}; point resume= at a folder written by this trainer (e.g. runs/X/checkpoints/step_0000100).")
-    saved_cfg = OmegaConf.load(path / "config.yaml")
+    saved_cfg = read_checkpoint_config(path)
+    state = read_state(path)
     if cfg is not None:
         for key in MODEL_KEYS:
             mine, theirs = (OmegaConf.to_container(c[key], resolve=True) if key in c else _ABSENT[key] for c in (cfg, saved_cfg))
@@ -208,9 +213,10 @@ def load_checkpoint(path: Path, cfg: DictConfig | None = None) -> dict:
         model, ema = load_file(path / "model.safetensors"), load_file(path / "ema.safetensors")
         extra = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
     except Exception as err:  # safetensors and pickle raise many types for a damaged file
-        raise ConfigError(f"checkpoint '{path}' is unreadable ({type(err).__name__}: {err}); resume from an older step_* folder.") from err
-    state = json.loads((path / "state.json").read_text())
-    for name, digest in state.get("sha256", {}).items():
+        first = str(err).strip().splitlines()[0] if str(err).strip() else "damaged"
+        raise ConfigError(f"checkpoint '{path}' is unreadable ({type(err).__name__}: {first.rstrip('.')}); resume from an older "
+                          "step_* folder.") from None
+    for name, digest in state.sha256.items():
         if _sha256(path / name) != digest:
             raise ConfigError(f"checkpoint '{path}' is corrupted ({name} does not match the checksum written with it); "
                               "resume from an older step_* folder.")
@@ -219,7 +225,7 @@ def load_checkpoint(path: Path, cfg: DictConfig | None = None) -> dict:
         if bad:
             raise ConfigError(f"checkpoint '{path}' holds NaN or inf in {name} ({len(bad)} tensors, e.g. {bad[0]!r}); "
                               "resume from an older step_* folder.")
-    return {"model": model, "ema": ema, "config": saved_cfg, "step": state["step"], "pretrained": state.get("pretrained"),
+    return {"model": model, "ema": ema, "config": saved_cfg, "step": state.step, "pretrained": state.pretrained,
             "path": path, **extra}
 
 
@@ -234,12 +240,6 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 @dataclass
@@ -268,7 +268,13 @@ def load_run(checkpoint: str | Path, device: str | torch.device = "cpu") -> Load
     path = resolve_checkpoint(checkpoint)
     state = load_checkpoint(path)
     cfg = state["config"]
-    dataset = build_dataset(cfg.data, cfg.edm.sigma_data)
-    net = build_net(cfg, dataset)
-    load_trained_state(net, state, "ema", cfg)
+    try:
+        dataset = build_dataset(cfg.data, cfg.edm.sigma_data)
+        net = build_net(cfg, dataset)
+        load_trained_state(net, state, "ema", cfg)
+    except (OmegaConfBaseException, KeyError, TypeError, RuntimeError) as err:  # a config.yaml or weights edited by hand
+        where = f" at {err.full_key}" if getattr(err, "full_key", None) else ""
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(f"checkpoint '{path}' cannot be rebuilt from its config.yaml and weights ({type(err).__name__}{where}: "
+                          f"{first.rstrip('.')}); use another checkpoint of the run (an older step_* folder).") from None
     return Loaded(net.to(device).eval(), objective_for(cfg), cfg, dataset, path, state["step"])

@@ -1,16 +1,23 @@
-"""Entry-point helpers: ConfigError -> one line and exit 2, RunStopped -> one line and exit 3, no traceback;
-Hydra composition errors (a wrong type, an unknown key or option) as one sentence too; argparse flags that
-refuse bad values in one sentence."""
+"""Entry-point helpers: ConfigError -> one line and exit 2, RunStopped -> one line and exit 3, a file-system
+fault (OSError) -> one line naming the file, exit 3 for a full disk and 2 otherwise; no traceback. Hydra
+composition errors (a wrong type, an unknown key or option) as one sentence too; argparse flags (devices,
+output paths) that refuse bad values in one sentence."""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
 from routing import ConfigError
-from train.schema import check_config, config_error
+from train.schema import check_config, check_overrides, config_error
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -30,30 +37,81 @@ def friendly_errors(fn):
         except RunStopped as err:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(3)
+        except OSError as err:  # the file system refused a read or write that no check could foresee
+            print(f"error: {file_system_error(err)}", file=sys.stderr)
+            sys.exit(3 if is_disk_full(err) else 2)
 
     return wrapper
 
 
-def precompose(config_name: str, overrides: list[str], check: bool = True) -> None:
+# What to do about a file-system fault, by errno.
+_FS_FIX = {
+    errno.ENOSPC: "the disk is full; free space (or choose a folder on another disk) and run the command again",
+    errno.EDQUOT: "the disk quota is used up; free space and run the command again",
+    errno.EACCES: "permission denied; make it writable or choose another path",
+    errno.EPERM: "operation not permitted; make it writable or choose another path",
+    errno.EROFS: "the disk is read-only; choose a path on a writable disk",
+    errno.ENOTDIR: "a part of the path is a file, not a folder; choose another path",
+    errno.EISDIR: "it is a folder; pass a file path",
+    errno.ENOENT: "it does not exist; check the path",
+    errno.EEXIST: "it already exists; choose another path",
+}
+
+
+def file_system_error(err: OSError) -> str:
+    """An OSError as one sentence: the file, what happened and what to do."""
+    where = f"'{err.filename}'" if err.filename else "a file"
+    fix = _FS_FIX.get(err.errno) if not is_disk_full(err) else _FS_FIX[errno.ENOSPC]
+    return f"could not use {where} ({err.strerror or type(err).__name__}): {fix or 'check the path and the disk'}."
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """True for a write that failed because the disk (or the user's quota) is full."""
+    return getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(err)
+
+
+def precompose(config_name: str, overrides: list[str], check: Callable[[DictConfig], None] | None = None) -> DictConfig | None:
     """Compose `config_name` with the command line's overrides before Hydra does, so that a wrong type, an
     unknown key or option, or a value out of range is one sentence with exit code 2 (Hydra would print a
-    multi-line report with exit code 1), and nothing, not even the run folder, is created."""
+    multi-line report with exit code 1), and nothing, not even the run folder, is created. Returns the config.
+
+    `check`: what else the composed config must pass (the training config's: the schema, `check_config`)."""
     if any(arg.startswith("-") for arg in overrides):
-        return  # Hydra's own flags (--help, --multirun, --cfg, ...): Hydra handles the command line
+        return None  # Hydra's own flags (--help, --multirun, --cfg, ...): Hydra handles the command line
     from hydra import compose, initialize_config_dir
 
+    training = config_name == "config"
     try:
+        if training:
+            check_overrides(overrides)
         with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
             cfg = compose(config_name=config_name, overrides=overrides)
     except ConfigError as err:
         _refuse(err)
     except Exception as err:  # Hydra and OmegaConf raise many types; each becomes one sentence
-        _refuse(config_error(err))
-    if check:
-        try:
-            check_config(cfg)
-        except ConfigError as err:
-            _refuse(err)
+        _refuse(config_error(err) if training else _plain_config_error(config_name, err))
+    try:
+        (check or (check_config if training else lambda _: None))(cfg)
+    except ConfigError as err:
+        _refuse(err)
+    return cfg
+
+
+def _plain_config_error(config_name: str, err: BaseException) -> ConfigError:
+    """A composition error of a config without a typed schema (bench.yaml): an unknown key names the keys there are."""
+    cause = err
+    while not isinstance(cause, OmegaConfBaseException) and cause.__cause__ is not None:
+        cause = cause.__cause__
+    path = str(getattr(cause, "full_key", "") or "")
+    if not (isinstance(cause, OmegaConfBaseException) and path and "not in struct" in str(cause)):
+        return config_error(err)
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        base = compose(config_name=config_name)
+    parent = OmegaConf.select(base, path.rsplit(".", 1)[0]) if "." in path else base
+    known = f"; the keys there are {', '.join(str(k) for k in parent)}" if isinstance(parent, DictConfig) else ""
+    return ConfigError(f"{path} is not a key of configs/{config_name}.yaml{known}.")
 
 
 def _refuse(err: BaseException) -> None:
@@ -101,21 +159,58 @@ def existing(what: str = "path"):
     return parse
 
 
+def _writable_folder(folder: Path, text: str) -> None:
+    """Refuse (ArgumentTypeError) an output folder under a file, or whose nearest existing part we cannot write into."""
+    existing_part = next(p for p in (folder, *folder.parents) if p.exists() or p.is_symlink())
+    if not existing_part.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: it lies under {str(existing_part)!r}, which is a file")
+    if not os.access(existing_part, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {str(existing_part)!r} is not writable")
+
+
 def writable_file(text: str) -> Path:
     """An argparse type: an output file whose folder exists or can be created, and that is not a folder."""
     path = Path(text).expanduser()
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; pass a file path")
-    parent = next((p for p in [path.parent, *path.parent.parents] if p.exists()), None)
-    if parent is None or not parent.is_dir() or not _can_write(parent):
-        raise argparse.ArgumentTypeError(f"cannot write {text!r} (its folder is not writable)")
+    _writable_folder(path.parent, text)
     return path
 
 
-def _can_write(folder: Path) -> bool:
-    import os
+def output_folder(text: str) -> Path:
+    """An argparse type: an output folder that exists or can be created (not a file, not under one)."""
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder; pass a folder path")
+    _writable_folder(path, text)
+    return path
 
-    return os.access(folder, os.W_OK | os.X_OK)
+
+def check_device(text: str, name: str) -> str:
+    """`text` if it names a device this machine has (cpu, cuda, cuda:N, mps), else one sentence naming `name`."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"{name}={text!r} is not a device; use cpu or cuda (cuda:N for GPU N).") from None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= gpus:
+        raise ConfigError(f"{name}={text} but this machine has {gpus or 'no'} visible CUDA GPU{'s' if gpus != 1 else ''}; "
+                          f"use {name}=cpu{f' or cuda:0..cuda:{gpus - 1}' if gpus else ''}.")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"{name}=mps but this machine has no Apple GPU; use {name}=cpu.")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"{name}={text!r} is not supported; use cpu or cuda (cuda:N for GPU N).")
+    return text
+
+
+def device(text: str) -> str:
+    """An argparse type: a device this machine has."""
+    try:
+        return check_device(text, "--device")
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err).split("=", 1)[-1].rstrip(".")) from None
 
 
 def add_sampling_rule_flags(parser: argparse.ArgumentParser, route_ratio: float = 0.0, rg_scale: float = 1.0,

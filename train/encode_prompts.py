@@ -17,8 +17,9 @@ from typing import Sequence
 
 import torch
 
-from train.cli import ArgumentParser, bounded, existing, friendly_errors, writable_file
+from train.cli import ArgumentParser, bounded, device, existing, friendly_errors, writable_file
 from train.data.prompts import DTYPES, PIPELINES, encode_table, random_table, write_table
+from train.files import read_text
 
 
 def sizes(text: str) -> tuple[int, ...]:
@@ -43,10 +44,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="text tokens per prompt (default: the pipeline's, e.g. 512 for Flux); fewer makes a smaller table")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                         help="dtype of the text encoders and of the table they write (--pipeline)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--seed", type=bounded(int, 0, example="--seed 0"), default=0, help="seed of --random")
     args = parser.parse_args(argv)
-    args.texts = args.prompts or [line.strip() for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
+    if args.prompts_file:
+        fix = "pass a UTF-8 text file with one prompt per line, in class order"
+        args.prompts = [line.strip() for line in read_text(args.prompts_file, fix).splitlines() if line.strip()]
+    args.texts = args.prompts
     if not args.texts or any(not t for t in args.texts):
         parser.error("every class needs a non-empty prompt (the empty prompt is added as the null class)")
     return args

@@ -14,6 +14,7 @@ The computation (sampling order, feature gathering, the Fréchet distance) is tr
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 from dataclasses import asdict, fields
@@ -26,9 +27,10 @@ from routing import ConfigError
 from train.build import objective_name
 from train.checkpoint import load_run
 from train.cli import ArgumentParser, add_sampling_rule_flags, bounded, check_sampling_rule_flags, existing, friendly_errors, writable_file
-from train.metrics.fid import FIDConfig, folder_features, reference_statistics, sample_features
+from train.files import write_atomic
+from train.metrics.fid import FIDConfig, check_reference, folder_features, reference_statistics, sample_features
 from train.metrics.frechet import feature_statistics, frechet_distance
-from train.metrics.inception import load_inception
+from train.metrics.inception import load_inception, resolve_weights
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,44 +66,51 @@ def main(argv: list[str] | None = None) -> float | None:
     from accelerate import Accelerator
 
     args = parse_args(argv)
+    # Every file is checked before the Inception network loads and before any sample is drawn: the reference
+    # (size, NaN), the weights file, the checkpoint.
+    if args.ref is not None:
+        check_reference(args.ref, args.inception)
+    resolve_weights(args.inception)
     accelerator = Accelerator()
+    loaded = None
+    if args.checkpoint:
+        loaded = load_run(args.checkpoint, accelerator.device)
+        trained = objective_name(loaded.cfg)
+        if args.objective and args.objective != trained:
+            raise ConfigError(f"checkpoint '{loaded.checkpoint}' was trained with objective={trained}, not --objective "
+                              f"{args.objective}; drop the flag or pass --objective {trained}.")
     extractor = load_inception(args.inception, accelerator.device)
 
     # Reference statistics only: write them and stop.
     if args.save_stats:
         mu, sigma = feature_statistics(folder_features(Path(args.images), extractor, accelerator, args.batch_size, args.size))
         if accelerator.is_main_process:
-            np.savez(args.save_stats, mu=mu, sigma=sigma)
+            npz = io.BytesIO()
+            np.savez(npz, mu=mu, sigma=sigma)
+            write_atomic(args.save_stats, npz.getvalue())
             print(f"wrote {args.save_stats} (mu {mu.shape}, sigma {sigma.shape})")
         return None
 
-    # Features of the evaluated images: a folder, or samples from the checkpoint's EMA weights.
+    # Reference statistics first (a folder of real images is read once, before hours of sampling), then the
+    # features of the evaluated images: a folder, or samples from the checkpoint's EMA weights.
+    mu_ref, sigma_ref = reference_statistics(args.ref, extractor, accelerator, args.batch_size, args.size)
     result: dict[str, Any] = {"ref": args.ref}
     if args.images:
         generated = folder_features(Path(args.images), extractor, accelerator, args.batch_size, args.size)
         result["images"] = args.images
         out = args.out
     else:
-        loaded = load_run(args.checkpoint, accelerator.device)
-        trained = objective_name(loaded.cfg)
-        if args.objective and args.objective != trained:
-            raise ConfigError(f"checkpoint '{loaded.checkpoint}' was trained with objective={trained}, not --objective "
-                              f"{args.objective}; drop the flag or pass --objective {trained}.")
         cfg = FIDConfig(**{f.name: getattr(args, f.name) for f in fields(FIDConfig)})
-        # The reference is checked (and its statistics computed) before hours of sampling, not after.
-        mu_ref, sigma_ref = reference_statistics(args.ref, extractor, accelerator, args.batch_size, args.size)
         generated = sample_features(loaded.net, loaded.dataset, cfg, accelerator, extractor, loaded.objective)
         result.update(asdict(cfg), checkpoint=str(loaded.checkpoint), step=loaded.step)
         out = args.out or os.fspath(loaded.checkpoint / "fid.json")
 
-    if args.images:
-        mu_ref, sigma_ref = reference_statistics(args.ref, extractor, accelerator, args.batch_size, args.size)
     fid = frechet_distance(*feature_statistics(generated), mu_ref, sigma_ref)
     if accelerator.is_main_process:
         result.update(fid=fid, num_images=len(generated))
         print(f"FID {fid:.4f} ({len(generated)} images vs {args.ref})")
         if out:
-            Path(out).write_text(json.dumps(result, indent=2) + "\n")
+            write_atomic(out, json.dumps(result, indent=2) + "\n")
     return fid
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import torch
 from torchvision.utils import make_grid, save_image
+
+from train.files import write_atomic
 
 
 def grid_labels(num_classes: int, per_class: int) -> torch.Tensor:
@@ -14,9 +17,11 @@ def grid_labels(num_classes: int, per_class: int) -> torch.Tensor:
 
 
 def save_grid(images: torch.Tensor, path: Path, per_row: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     grid = make_grid(images, nrow=per_row, padding=1, pad_value=1.0)
     # Tiny images are upscaled (nearest) to at least 64 px so a person can see them without zooming.
     scale = max(1, 64 // images.shape[-1])
     grid = torch.nn.functional.interpolate(grid[None], scale_factor=scale, mode="nearest")[0]
-    save_image(grid, str(path))
+    png = io.BytesIO()
+    save_image(grid, png, format="png")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, png.getvalue())  # a full disk leaves no cut PNG

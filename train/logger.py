@@ -5,19 +5,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from train.files import read_metrics, write_atomic
+
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, enabled: bool, resume_step: int = 0):
+    def __init__(self, run_dir: Path, enabled: bool, resume_step: int = 0, records: list[tuple[str, int]] | None = None):
+        """`records`: the log's lines as read (and checked) before anything was written; read now when None."""
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.writer = None
         if not enabled:
             return
+        records = read_metrics(self.path) if records is None else records
         if self.path.exists():
             # A killed run may have logged past its last checkpoint; keep only what the resume repeats from
-            # (nothing for a fresh start: resume=auto that found no checkpoint).
-            lines = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
-            self.path.write_text("".join(ln + "\n" for ln in lines))
+            # (nothing for a fresh start: resume=auto that found no checkpoint). One rename, so a crash here
+            # leaves the old log whole.
+            write_atomic(self.path, "".join(line + "\n" for line, step in records if step <= resume_step))
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(run_dir / "tb"))
@@ -26,7 +30,13 @@ class MetricsLogger:
         if not self.enabled:
             return
         with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+            end = f.tell()
+            try:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+                f.flush()
+            except OSError:
+                f.truncate(end)  # a full disk must not leave half a line
+                raise
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
 

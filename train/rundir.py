@@ -1,43 +1,87 @@
-"""Run-folder rules: one trainer per folder (a lock), and a fresh run never mixes with an old one.
+"""Run-folder rules: nothing is written before every check has passed, one trainer per folder (a lock), and a
+fresh run never mixes with an old one.
 
-- The main process holds an exclusive `fcntl.flock` on `<run_dir>/.lock` for the life of the run. The
-  kernel drops it when the process ends, however it ends, so a killed run leaves no stale lock.
+- `check_run_dir` refuses a run_dir that cannot hold a run (empty, a file, under a file, not writable) before
+  anything happens; Hydra creates no folder and writes no `.hydra/` (configs/config.yaml), the trainer does.
+- The lock is taken in two stages (`RunDirClaim`): an existing folder's `<run_dir>/.lock` is locked (without
+  writing to it) while the trainer checks its data, model and checkpoint; `commit()`, once every check passed,
+  creates the folder and the lock file if needed and records the pid. The main process holds an exclusive
+  `fcntl.flock`; the kernel drops it when the process ends, however it ends, so a killed run leaves no stale lock.
 - A fresh run (no `resume=`) into a folder that already holds a run (checkpoints or metrics) is refused,
   unless `overwrite=true`, which moves the old run aside to `<run_dir>.old-<time>/` (nothing is deleted).
+- `HydraRecord`: what Hydra would have written to `<run_dir>/.hydra/` (config, hydra, overrides) and the
+  `train.log` it would have opened, written at commit, so a refused command leaves the folder's record alone.
 """
 
 from __future__ import annotations
 
+import copy
 import fcntl
-import json
+import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from omegaconf import DictConfig, OmegaConf
+
 from routing import ConfigError
+from train.files import read_metrics, write_atomic
 
 LOCK = ".lock"
-KEEP_IN_PLACE = (LOCK, ".hydra")  # the lock, and Hydra's record of this very run (written before the trainer starts)
+# Folders and files of an existing run that a trainer writes into: each must be writable before training starts.
+WRITTEN_DIRS = ("checkpoints", "samples", "tb", ".hydra")
+WRITTEN_FILES = (LOCK, "metrics.jsonl")
+
+
+def check_run_dir(value) -> Path:
+    """`run_dir` as a Path, or one sentence saying why it cannot hold a run; nothing is created."""
+    text = "" if value is None else str(value)
+    example = "choose a folder you can write to (e.g. run_dir=runs/exp1)"
+    if not text.strip():
+        raise ConfigError(f"run_dir={text!r} is empty, so the run would write into the current folder; {example}.")
+    run_dir = Path(text).expanduser()
+    existing = next(p for p in (run_dir, *run_dir.parents) if p.exists() or p.is_symlink())
+    if not existing.is_dir():
+        where = "is a file, not a folder" if existing == run_dir else f"lies under {str(existing)!r}, which is a file"
+        raise ConfigError(f"run_dir={text!r} {where}; {example}.")
+    wanted = [existing] if existing != run_dir else [run_dir, *(run_dir / d for d in WRITTEN_DIRS if (run_dir / d).is_dir())]
+    files = [run_dir / f for f in WRITTEN_FILES if (run_dir / f).exists()] if existing == run_dir else []
+    for path, mode in [*((d, os.W_OK | os.X_OK) for d in wanted), *((f, os.W_OK) for f in files)]:
+        if not os.access(path, mode):
+            raise ConfigError(f"run_dir={text!r} is not writable (no write permission on {str(path)!r}, or a read-only disk); "
+                              f"{example}, or make it writable.")
+    return run_dir
 
 
 class RunLock:
-    """An exclusive lock on a run folder; `release()` (or the process ending) frees it."""
+    """An exclusive lock on a run folder, in two stages (see the module docstring); `release()` frees it."""
 
     def __init__(self, run_dir: Path):
-        self.path = run_dir / LOCK
+        self.run_dir, self.path, self._fd = run_dir, run_dir / LOCK, None
+        if self.path.is_file():
+            self._lock(os.O_RDWR)  # opening it changes nothing; the pid is written at commit
+
+    def _lock(self, flags: int) -> None:
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.path, flags, 0o644)
         except OSError as err:
-            raise ConfigError(f"run_dir={str(run_dir)!r} is not writable ({type(err).__name__}: {err.strerror}); "
+            raise ConfigError(f"run_dir={str(self.run_dir)!r} is not writable ({type(err).__name__}: {err.strerror}); "
                               "choose a folder you can write to (e.g. run_dir=runs/exp1).") from None
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(self._fd)
-            raise ConfigError(f"run_dir={str(run_dir)!r} is in use by another trainer (pid {holder}); wait for it to "
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ConfigError(f"run_dir={str(self.run_dir)!r} is in use by another trainer (pid {holder}); wait for it to "
                               "finish or choose another run_dir.") from None
+        self._fd = fd
+
+    def commit(self) -> None:
+        """Create the folder and its lock file if needed, hold the lock and record this process's pid."""
+        if self._fd is None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._lock(os.O_RDWR | os.O_CREAT)
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
 
@@ -55,34 +99,34 @@ def previous_run(run_dir: Path) -> str | None:
         return f"checkpoints up to {ckpts[-1]}"
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size:
-        lines = [ln for ln in metrics.read_text().splitlines() if ln.strip()]
         try:
-            return f"metrics up to step {json.loads(lines[-1])['step']}"
-        except (ValueError, KeyError, IndexError):
+            records = read_metrics(metrics)
+        except ConfigError:
             return "a metrics.jsonl"
+        return f"metrics up to step {records[-1][1]}" if records else "a metrics.jsonl"
     return None
 
 
-def refuse_or_move_aside(run_dir: Path, overwrite: bool, move: bool) -> Path | None:
-    """For a fresh run: refuse a folder holding a run, or (overwrite) move that run aside; returns where it went.
-
-    Every process calls this (so all refuse alike); only the one with `move` moves files."""
+def refuse_used(run_dir: Path, overwrite: bool) -> bool:
+    """For a fresh run: refuse a folder holding a run unless `overwrite`; True when that run is to be moved aside."""
     found = previous_run(run_dir)
-    if found is None:
-        return None
-    if not overwrite:
+    if found is not None and not overwrite:
         raise ConfigError(f"run_dir={str(run_dir)!r} already holds a run ({found}); pass resume=auto to continue it, "
                           "overwrite=true to move it aside and start fresh, or choose a new run_dir.")
-    aside = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-    if move:
-        n = 0
-        while aside.exists():
-            n += 1
-            aside = aside.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}-{n}")
-        aside.mkdir()
-        for entry in run_dir.iterdir():
-            if entry.name not in KEEP_IN_PLACE:
-                os.replace(entry, aside / entry.name)
+    return found is not None
+
+
+def move_aside(run_dir: Path) -> Path:
+    """Move the run in `run_dir` (all but the lock) to `<run_dir>.old-<time>/`; returns where it went."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside, n = run_dir.with_name(f"{run_dir.name}.old-{stamp}"), 0
+    while aside.exists():
+        n += 1
+        aside = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{n}")
+    aside.mkdir()
+    for entry in run_dir.iterdir():
+        if entry.name != LOCK:
+            os.replace(entry, aside / entry.name)
     return aside
 
 
@@ -92,7 +136,7 @@ _HELD: dict[str, list] = {}
 
 
 class RunDirClaim:
-    """This process's share of the lock on a run folder; `release()` is idempotent."""
+    """This process's share of the lock on a run folder; `commit()` as RunLock's, `release()` is idempotent."""
 
     def __init__(self, run_dir: Path):
         self.key = os.path.realpath(run_dir)
@@ -100,6 +144,9 @@ class RunDirClaim:
             _HELD[self.key] = [RunLock(run_dir), 0]
         _HELD[self.key][1] += 1
         self.released = False
+
+    def commit(self) -> None:
+        _HELD[self.key][0].commit()
 
     def release(self) -> None:
         if self.released:
@@ -111,3 +158,36 @@ class RunDirClaim:
             if held[1] <= 0:
                 held[0].release()
                 del _HELD[self.key]
+
+
+@dataclass
+class HydraRecord:
+    """What Hydra writes to `<output dir>/.hydra/` before a job, kept until the trainer's checks have passed."""
+
+    config: DictConfig  # the job's config (.hydra/config.yaml)
+    hydra: DictConfig  # Hydra's own config, under a `hydra` key (.hydra/hydra.yaml)
+    overrides: list  # the command line's overrides (.hydra/overrides.yaml)
+
+    @classmethod
+    def current(cls, cfg: DictConfig) -> HydraRecord:
+        """The record of the Hydra job this process runs (call from inside the Hydra task function)."""
+        from hydra.core.hydra_config import HydraConfig
+
+        hydra = copy.deepcopy(HydraConfig.instance().cfg)
+        return cls(cfg, hydra, OmegaConf.to_container(hydra.hydra.overrides.task))
+
+    def write(self, run_dir: Path) -> None:
+        """`.hydra/` as Hydra writes it, with the run folder as the output folder, and `<job>.log` from now on."""
+        hydra = OmegaConf.create(OmegaConf.to_container(self.hydra))  # a plain copy, interpolations kept as written
+        # As Hydra records a job it ran in the run folder.
+        hydra.hydra.run.dir = "${run_dir}"
+        hydra.hydra.output_subdir = ".hydra"
+        hydra.hydra.runtime.output_dir = os.path.abspath(run_dir)
+        folder = run_dir / ".hydra"
+        folder.mkdir(exist_ok=True)
+        for name, node in (("config.yaml", self.config), ("hydra.yaml", hydra), ("overrides.yaml", self.overrides)):
+            write_atomic(folder / name, OmegaConf.to_yaml(node))
+        root = logging.getLogger()
+        handler = logging.FileHandler(run_dir / f"{hydra.hydra.job.name}.log")
+        handler.setFormatter(root.handlers[0].formatter if root.handlers else None)  # Hydra's job_logging format
+        root.addHandler(handler)

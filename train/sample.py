@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from routing import ConfigError
 from routing.router import count_flops
 from train.build import objective_name
 from train.checkpoint import load_run
-from train.cli import ArgumentParser, add_sampling_rule_flags, bounded, check_sampling_rule_flags, friendly_errors, writable_file
+from train.cli import ArgumentParser, add_sampling_rule_flags, bounded, check_sampling_rule_flags, device, friendly_errors, writable_file
 from train.grid import grid_labels, save_grid
 
 
@@ -38,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--classes", type=int, nargs="*", help="class ids to sample (default: all)")
     add_sampling_rule_flags(parser)
     parser.add_argument("--rg-bad", help="routing guidance: a weaker checkpoint as the weak branch (autoguidance-style)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--out", type=writable_file, help="PNG path (default: <checkpoint>/samples_w<guidance>_seed<seed>.png)")
     args = parser.parse_args(argv)
     check_sampling_rule_flags(parser, args)
@@ -49,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     loaded = load_run(args.checkpoint, args.device)
+    out = args.out or loaded.checkpoint / f"samples_w{args.guidance:g}_seed{args.seed}.png"
+    if args.out is None and not os.access(out.parent, os.W_OK | os.X_OK):  # checked before sampling, not after
+        raise ConfigError(f"cannot write the grid to {str(out.parent)!r} (not writable); pass --out PATH in a folder you can write to.")
     trained = objective_name(loaded.cfg)
     if args.objective and args.objective != trained:
         raise ConfigError(f"checkpoint '{loaded.checkpoint}' was trained with objective={trained}, not --objective {args.objective}; "
@@ -71,7 +75,6 @@ def main(argv: list[str] | None = None) -> Path:
     x = generate(sampled, labels, shape=ds.shape, steps=args.steps, guidance=args.guidance, seed=args.seed, device=args.device,
                  sampler=args.sampler, null_label=ds.num_classes, progress=True, objective=loaded.objective, router=router,
                  route_ratio=args.route_ratio)
-    out = args.out or loaded.checkpoint / f"samples_w{args.guidance:g}_seed{args.seed}.png"
     save_grid(ds.to_images(x), out, per_row=args.per_class)
     print(f"wrote {out} ({len(labels)} samples, step {loaded.step}, objective {trained}, guidance {args.guidance:g})")
     return out

@@ -24,14 +24,18 @@ from edm import generate, reduce_loss
 from routing import ConfigError
 from train.build import build_ema, build_net, compile_blocks, compiled_graphs, finetune_family, objective_for
 from train.checkpoint import NonFiniteWeights, latest_checkpoint, load_checkpoint, load_trained_state, recover_checkpoints, save_checkpoint
-from train.cli import RunStopped
+from train.cli import RunStopped, is_disk_full
 from train.data import build_dataset
 from train.data.prefetch import Prefetcher
+from train.data.prompts import check_table
 from train.grid import grid_labels, save_grid
+from train.files import read_metrics, write_atomic
 from train.logger import MetricsLogger
-from train.rundir import RunDirClaim, refuse_or_move_aside
+from train.rundir import HydraRecord, RunDirClaim, check_run_dir, move_aside, refuse_used
 from train.schema import check_config as schema_check
 from train.schema import resume_changes
+
+RECENT_NORMS = 5  # the divergence guard compares a checkpoint's weight norm with the start's and the last few checkpoints'
 
 
 def seeded(*keys: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -54,9 +58,10 @@ def global_indices(seed: int, step: int, batch: int, n: int) -> torch.Tensor:
     return out
 
 
-def check_config(cfg: DictConfig, num_processes: int = 1) -> None:
+def check_config(cfg: DictConfig, num_processes: int = 1, device: torch.device | None = None) -> None:
     """Every cheap check before any work starts: the schema (types, ranges, backbone kwargs, FID paths,
-    train/schema/), then what depends on the launch (the batch over processes) and the data's decoder."""
+    train/schema/), then what depends on the launch (the batch over processes, fp16 on this device) and the
+    files the run will read later (the data's decoder, the FID reference and Inception weights, the prompt table)."""
     schema_check(cfg)
     t = cfg.trainer
     per_step = num_processes * t.grad_accum
@@ -65,14 +70,25 @@ def check_config(cfg: DictConfig, num_processes: int = 1) -> None:
             f"trainer.batch_size={t.batch_size} is not divisible by {num_processes} processes x trainer.grad_accum={t.grad_accum}; "
             f"choose a multiple of {per_step}."
         )
+    if t.mixed_precision == "fp16" and device is not None and device.type != "cuda":
+        raise ConfigError(f"trainer.mixed_precision=fp16 needs a CUDA GPU, but this run is on the {device.type} (where it would "
+                          "silently run in fp32); use trainer.mixed_precision=bf16 or no.")
     if t.sample_every and cfg.data.name == "latents":
         from train.data.latents import check_vae
 
         check_vae(cfg.data)  # a missing VAE folder fails now, not at the first preview grid
+    if cfg.fid.every:
+        from train.metrics.fid import check_reference
+
+        check_reference(cfg.fid.ref, cfg.fid.inception)  # not after the first round of FID samples
+    if finetune_family(cfg) and cfg.finetune.prompts is not None:
+        check_table(cfg.finetune.prompts, cfg.finetune.family)  # before the pretrained weights load
 
 
 class Trainer:
-    def __init__(self, cfg: DictConfig, accelerator: Accelerator | None = None):
+    def __init__(self, cfg: DictConfig, accelerator: Accelerator | None = None, record: HydraRecord | None = None):
+        """Check everything, then write: a refused run leaves every byte on disk as it was (docs/training.md,
+        "Run folders"). `record`: Hydra's record of the command, written to <run_dir>/.hydra once checks passed."""
         self.cfg = cfg
         t = cfg.trainer
         if t.mixed_precision not in ("no", "bf16", "fp16"):
@@ -83,9 +99,26 @@ class Trainer:
             AcceleratorState._reset_state()
             accelerator = Accelerator(cpu=t.cpu, mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.grad_accum)
         self.acc = accelerator
-        check_config(cfg, self.acc.num_processes)
-        self.run_dir = Path(cfg.run_dir)
-        self._claim = self._claim_run_dir()
+        check_config(cfg, self.acc.num_processes, self.acc.device)
+        self.run_dir = check_run_dir(cfg.run_dir)
+        # An existing folder is locked (not written) while it is checked; the lock is committed with the first write.
+        self._claim = RunDirClaim(self.run_dir) if self.acc.is_main_process else None
+        if self._claim is not None:
+            weakref.finalize(self, self._claim.release)
+        try:
+            self._set_up()
+            self._commit(record)
+        except BaseException:
+            self._release_run_dir()
+            raise
+
+    # Set-up.
+
+    def _set_up(self) -> None:
+        """Everything that can refuse the run, with no write: the folder's state, data, model, optimizer, the
+        checkpoint to resume and the metrics log."""
+        cfg, t = self.cfg, self.cfg.trainer
+        self._move_aside = not cfg.resume and refuse_used(self.run_dir, bool(cfg.get("overwrite")))
         self.dataset = build_dataset(cfg.data, cfg.edm.sigma_data)
         if len(self.dataset) == 0:
             raise ConfigError(f"data.name='{cfg.data.name}' has no samples; check data.path.")
@@ -115,32 +148,25 @@ class Trainer:
         self.skipped_steps = 0  # divergence guard: steps whose loss or gradient was non-finite (no update)
         self.bad_streak = 0  # ... of them in a row, up to now
         self._maybe_resume()
-        self.logger = MetricsLogger(self.run_dir, self.acc.is_main_process, resume_step=self.step)
+        # Divergence guard: the trained weights' norm at the start and at each checkpoint that passed.
+        self.norms = [(self.step, self._weight_norm())]
+        # The log this run continues (none when overwrite=true moves the old run aside, however damaged its log).
+        keep = self.acc.is_main_process and not self._move_aside
+        self._metrics = read_metrics(self.run_dir / "metrics.jsonl") if keep else []
 
-    # Set-up.
-
-    def _claim_run_dir(self) -> RunDirClaim | None:
-        """Lock the run folder (main process), undo what a killed save left, and refuse a fresh run into a
-        folder holding a run unless overwrite=true (docs/training.md, "Run folders")."""
-        cfg, main = self.cfg, self.acc.is_main_process
-        claim = RunDirClaim(self.run_dir) if main else None
-        if claim is not None:
-            weakref.finalize(self, claim.release)
-        try:
-            if main:
-                for line in recover_checkpoints(self.run_dir / "checkpoints"):
-                    print(f"run_dir: {line} (left by an interrupted save)")
-            self.acc.wait_for_everyone()
-            if not cfg.resume:
-                aside = refuse_or_move_aside(self.run_dir, bool(cfg.get("overwrite")), move=main)
-                if aside is not None:
-                    self.acc.print(f"overwrite=true: moved the previous run in {self.run_dir} to {aside}")
-            self.acc.wait_for_everyone()
-        except BaseException:
-            if claim is not None:
-                claim.release()
-            raise
-        return claim
+    def _commit(self, record: HydraRecord | None) -> None:
+        """The first writes, once every check has passed: the folder and its lock, what a killed save left, an
+        old run moved aside (overwrite=true), Hydra's record and the metrics log trimmed for a resume."""
+        if self._claim is not None:
+            self._claim.commit()
+            for line in recover_checkpoints(self.run_dir / "checkpoints"):
+                print(f"run_dir: {line} (left by an interrupted save)")
+            if self._move_aside:
+                self.acc.print(f"overwrite=true: moved the previous run in {self.run_dir} to {move_aside(self.run_dir)}")
+            if record is not None:
+                record.write(self.run_dir)
+        self.acc.wait_for_everyone()
+        self.logger = MetricsLogger(self.run_dir, self.acc.is_main_process, resume_step=self.step, records=self._metrics)
 
     def _release_run_dir(self) -> None:
         if self._claim is not None:
@@ -167,14 +193,22 @@ class Trainer:
         if path is None:
             if resume == "auto":
                 return
-            raise ConfigError(f"resume={resume} but {ckpt_root} holds no checkpoint; drop resume= or point run_dir= at the run to continue.")
+            raise ConfigError(f"resume={'true' if resume is True else resume} but {ckpt_root} holds no checkpoint; drop resume= or "
+                              "point run_dir= at the run to continue.")
+        if not path.is_dir():
+            raise ConfigError(f"resume={resume!r} is not a checkpoint folder; pass resume=auto or a step_* folder "
+                              f"(e.g. resume={ckpt_root / 'step_0000100'}).")
         state = load_checkpoint(path, self.cfg)
         try:
             load_trained_state(self.acc.unwrap_model(self.net), state, "model", self.cfg)
             load_trained_state(self.ema.module, state, "ema", self.cfg)
         except RuntimeError as err:
             raise ConfigError(f"checkpoint '{path}' does not fit this model ({str(err).splitlines()[0]}); resume with the config it was trained with.") from err
-        self.optimizer.load_state_dict(state["optimizer"])
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (KeyError, ValueError, TypeError) as err:
+            raise ConfigError(f"checkpoint '{path}' holds an optimizer state that does not fit this model ({type(err).__name__}); "
+                              "resume from an older step_* folder.") from None
         self._apply_resume_changes(path, state["config"])
         torch.set_rng_state(state["torch_rng"])
         self.step = state["step"]
@@ -268,22 +302,59 @@ class Trainer:
             bad = self.acc.reduce(bad.float().reshape(1), reduction="sum") > 0
         return bool(bad)
 
+    def _weight_norm(self) -> float:
+        """L2 norm of the trained weights (every parameter from scratch; the LoRA when fine-tuning)."""
+        params = [p.detach() for p in self.acc.unwrap_model(self.net).parameters() if p.requires_grad]
+        return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(params)).double())) if params else 0.0
+
+    def _good_checkpoint(self, then: str = "continue from it with a smaller learning rate", lr: bool = True) -> str:
+        """The newest checkpoint (every saved one passed the guard), and how to go on from it, for a stopped run."""
+        ckpt_root = self.run_dir / "checkpoints"
+        latest = latest_checkpoint(ckpt_root) if ckpt_root.is_dir() else None
+        if latest is None:
+            return "no checkpoint was written before it"
+        return (f"the last good checkpoint is {latest}; {then} "
+                f"(python -m train run_dir={self.run_dir} resume={latest}{' trainer.lr=...' if lr else ''})")
+
     def _stop_diverged(self) -> None:
-        latest = latest_checkpoint(self.run_dir / "checkpoints")
+        good = self._good_checkpoint()
         self._release_run_dir()
         self.logger.close()
-        good = (f"the last good checkpoint is {latest}; continue from it with a smaller learning rate "
-                f"(python -m train run_dir={self.run_dir} resume={latest} trainer.lr=...)") if latest else "no checkpoint was written before it"
         raise RunStopped(f"training diverged: {self.bad_streak} steps in a row (up to step {self.step}) had a non-finite loss or "
                          f"gradient and were skipped (trainer.max_bad_steps={self.cfg.trainer.max_bad_steps}); {good}.")
+
+    def _check_weight_growth(self) -> None:
+        """Refuse to checkpoint weights whose norm jumped far beyond the run's recent history (exploding but finite, as
+        with a learning rate far too high), so they never rotate out a good checkpoint; the run stops (exit code 3)."""
+        growth = self.cfg.trainer.get("max_weight_growth")
+        norm = self._weight_norm()
+        reference = max(n for _, n in self.norms[-RECENT_NORMS:])
+        if growth is None or reference == 0 or (math.isfinite(norm) and norm <= growth * reference):
+            self.norms.append((self.step, norm))
+            return
+        good = self._good_checkpoint()
+        self._release_run_dir()
+        self.logger.close()
+        raise RunStopped(f"training diverged: the weights' norm at step {self.step} is {norm:.3g}, more than "
+                         f"trainer.max_weight_growth={growth:g} times the largest of the run's recent checkpoints "
+                         f"({reference:.3g}), so the checkpoint of step {self.step} was not saved; {good} "
+                         f"(or widen the check: trainer.max_weight_growth=...).")
+
+    def _stop_on_write(self, what: str, err: BaseException) -> RunStopped:
+        """A write that failed mid-run (a full disk, a folder made read-only): the run stops with exit code 3."""
+        full = is_disk_full(err)
+        good = self._good_checkpoint("free space, then continue from it" if full else "fix the folder, then continue from it", lr=False)
+        self._release_run_dir()
+        detail = getattr(err, "strerror", None) or (str(err).splitlines() or [type(err).__name__])[0]
+        return RunStopped(f"could not write {what}: {'the disk is full' if full else 'writing failed'} ({detail}); "
+                          f"nothing else was changed, and {good}.")
 
     # The loop.
 
     def fit(self) -> list[float]:
         cfg, t = self.cfg, self.cfg.trainer
         if self.acc.is_main_process:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            self._write("config.yaml", lambda: write_atomic(self.run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True)))
         params = sum(p.numel() for p in self.backbone.parameters())
         trained = sum(p.numel() for p in self.backbone.parameters() if p.requires_grad)
         model = (f"{cfg.finetune.family} from {cfg.finetune.pretrained} ({params / 1e6:.2f}M params, {trained / 1e6:.2f}M trained, "
@@ -296,33 +367,36 @@ class Trainer:
         budget = t.max_minutes * 60 if t.max_minutes else math.inf
         began = time.perf_counter()
         bar = tqdm(total=t.max_steps, initial=self.step, disable=not self.acc.is_main_process, desc="train", dynamic_ncols=True)
-        while self.step < t.max_steps:
-            tic = time.perf_counter()
-            loss = self.train_step()
-            seconds = time.perf_counter() - tic
-            losses.append(loss)
-            images_per_s = t.batch_size / seconds
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{images_per_s:.0f}")
-            last = self.step == t.max_steps or time.perf_counter() - began > budget
-            if self.step % t.log_every == 0 or last or self.bad_streak == 1:
-                self.logger.log(self.step, {"loss": loss, **self.last_aux, "images_per_s": images_per_s,
-                                            "seconds": time.perf_counter() - began, "skipped_steps": self.skipped_steps})
-            if self.bad_streak == 1:
-                self.acc.print(f"step {self.step}: non-finite loss or gradient; the step is skipped (no update, no EMA)")
-            if self.bad_streak >= t.max_bad_steps:
-                self._stop_diverged()
-            # Save first: a failing preview must not cost the checkpoint of its step. No checkpoint while the
-            # newest step was non-finite: the weights that produced it must not rotate out good ones.
-            if t.ckpt_every and (self.step % t.ckpt_every == 0 or last) and not self.bad_streak:
-                self.save()
-            if t.sample_every and (self.step % t.sample_every == 0 or last):
-                self.sample_grid()
-            if cfg.fid.every and (self.step % cfg.fid.every == 0 or last):
-                self.evaluate_fid()
-            if last:
-                break
-        bar.close()
+        try:
+            while self.step < t.max_steps:
+                tic = time.perf_counter()
+                loss = self.train_step()
+                seconds = time.perf_counter() - tic
+                losses.append(loss)
+                images_per_s = t.batch_size / seconds
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{images_per_s:.0f}")
+                last = self.step == t.max_steps or time.perf_counter() - began > budget
+                if self.step % t.log_every == 0 or last or self.bad_streak == 1:
+                    self._write("metrics.jsonl", self.logger.log, self.step, {
+                        "loss": loss, **self.last_aux, "images_per_s": images_per_s, "seconds": time.perf_counter() - began,
+                        "skipped_steps": self.skipped_steps})
+                if self.bad_streak == 1:
+                    self.acc.print(f"step {self.step}: non-finite loss or gradient; the step is skipped (no update, no EMA)")
+                if self.bad_streak >= t.max_bad_steps:
+                    self._stop_diverged()
+                # Save first: a failing preview must not cost the checkpoint of its step. No checkpoint while the
+                # newest step was non-finite: the weights that produced it must not rotate out good ones.
+                if t.ckpt_every and (self.step % t.ckpt_every == 0 or last) and not self.bad_streak:
+                    self.save()
+                if t.sample_every and (self.step % t.sample_every == 0 or last):
+                    self.sample_grid()
+                if cfg.fid.every and (self.step % cfg.fid.every == 0 or last):
+                    self.evaluate_fid()
+                if last:
+                    break
+        finally:
+            bar.close()  # before any message of a stopped run, so it starts a line of its own
         self.logger.close()
         self._release_run_dir()
         return losses
@@ -332,24 +406,33 @@ class Trainer:
         from train.metrics.fid import compute_fid
 
         fid = compute_fid(self.ema.module.eval(), self.dataset, self.cfg.fid, self.acc, self.objective)
-        self.logger.log(self.step, {"fid": fid})
+        self._write("metrics.jsonl", self.logger.log, self.step, {"fid": fid})
         self.acc.print(f"step {self.step}: FID {fid:.2f}")
         return fid
 
+    def _write(self, what: str, write, *args):
+        """Run `write(*args)`; a failed write stops the run in one sentence naming the last good checkpoint."""
+        try:
+            return write(*args)
+        except OSError as err:
+            raise self._stop_on_write(f"{what} in {self.run_dir}", err) from None
+
     def save(self) -> None:
-        """Checkpoint this step; never from non-finite weights, and a failed write names the last good one."""
+        """Checkpoint this step; never from non-finite or exploded weights, and a failed write names the last good one."""
         self.acc.wait_for_everyone()
         ckpt_root = self.run_dir / "checkpoints"
+        self._check_weight_growth()  # every process computes the same norm, so all stop alike
         try:
             if self.acc.is_main_process:
                 save_checkpoint(ckpt_root, self.step, self.acc.unwrap_model(self.net), self.ema.module,
                                 self.optimizer, self.cfg, keep=self.cfg.trainer.keep_checkpoints)
-        except (NonFiniteWeights, OSError) as err:
-            latest = latest_checkpoint(ckpt_root)
+        except NonFiniteWeights as err:
+            good = self._good_checkpoint()
             self._release_run_dir()
-            what = "the weights hold NaN or inf" if isinstance(err, NonFiniteWeights) else "writing failed"
-            raise RunStopped(f"could not save the checkpoint of step {self.step} in {ckpt_root}: {what} ({type(err).__name__}: {err}); "
-                             f"the last good checkpoint is {latest or 'none'}, and nothing else was changed.") from None
+            raise RunStopped(f"could not save the checkpoint of step {self.step} in {ckpt_root}: the weights hold NaN or inf "
+                             f"({err}); {good}.") from None
+        except OSError as err:
+            raise self._stop_on_write(f"the checkpoint of step {self.step} in {ckpt_root}", err) from None
         self.acc.wait_for_everyone()
 
     def sample_grid(self) -> Path | None:
@@ -362,6 +445,6 @@ class Trainer:
             x = generate(ema, labels, shape=self.dataset.shape, steps=s.steps, guidance=s.guidance, seed=s.seed,
                          device=self.acc.device, null_label=self.dataset.num_classes, objective=self.objective,
                          router=ema.model.router)
-            save_grid(self.dataset.to_images(x), path, per_row=s.per_class)
+            self._write(f"the sample grid {path.name}", save_grid, self.dataset.to_images(x), path, s.per_class)
         self.acc.wait_for_everyone()
         return path

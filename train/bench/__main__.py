@@ -5,10 +5,20 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from train.cli import friendly_errors, precompose
+from routing import ConfigError
+from train.cli import CONFIGS, check_device, friendly_errors, precompose
 
 
-@hydra.main(config_path="../../configs", config_name="bench", version_base="1.3")
+def check_settings(bench: DictConfig) -> None:
+    """The bench's own keys that its cells' training configs do not check, before any output folder exists."""
+    batch = bench.train.batch_size
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ConfigError(f"train.batch_size={batch!r} must be a positive integer (e.g. train.batch_size=32).")
+    check_device(str(bench.device), "device")
+
+
+# An absolute folder: a relative one resolves as a Python package when the entry point is imported (tests).
+@hydra.main(config_path=str(CONFIGS), config_name="bench", version_base="1.3")
 @friendly_errors
 def main(bench: DictConfig) -> None:
     from train.bench.runner import run
@@ -16,6 +26,12 @@ def main(bench: DictConfig) -> None:
     run(bench)
 
 
-if __name__ == "__main__":
-    precompose("bench", sys.argv[1:], check=False)  # a bad key or option: one sentence, exit 2
+def cli(argv: list[str]) -> None:
+    """What `python -m train.bench ARGS` runs (tests call it in-process)."""
+    precompose("bench", argv, check=check_settings)  # a bad key, option or value: one sentence, exit 2
+    sys.argv = [sys.argv[0], *argv]  # Hydra reads its command line from sys.argv
     main()
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])

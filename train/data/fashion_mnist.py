@@ -8,6 +8,7 @@ gives a 16x16 grid of 256 tokens, the token count of ImageNet 256 latents in the
 from __future__ import annotations
 
 import gzip
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +26,11 @@ IDX_DTYPE = {0x08: np.uint8}  # idx type codes this dataset uses (unsigned bytes
 
 def read_idx(path: Path) -> np.ndarray:
     """An idx file (optionally gzipped) as an array: magic 0x0000 <type> <ndim>, then ndim big-endian sizes."""
-    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in IDX_DTYPE:
+    try:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    except (OSError, EOFError, zlib.error) as err:  # a damaged or cut .gz
+        raise ConfigError(f"'{path}' cannot be read ({type(err).__name__}); download it again or check data.path.") from None
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in IDX_DTYPE or len(raw) < 4 + 4 * raw[3]:
         raise ConfigError(f"'{path}' is not an unsigned-byte idx file; check data.path.")
     ndim = raw[3]
     dims = tuple(int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))

@@ -6,6 +6,7 @@ Used by latent caching (`train.cache_latents`) and by FID on image folders alike
 from __future__ import annotations
 
 import csv
+import io
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 from PIL import Image
 
 from routing.errors import ConfigError
+from train.files import damaged, read_text
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 
@@ -41,8 +43,11 @@ def list_images(root: Path, labels_file: Path | None = None) -> tuple[list[str],
 
 
 def _list_from_labels_file(root: Path, labels_file: Path) -> tuple[list[str], list[int], list[str]]:
-    with open(labels_file, newline="") as f:
-        rows = [row for row in csv.reader(f) if row]
+    fix = "pass a CSV file of `filename,label` rows"
+    try:
+        rows = [row for row in csv.reader(io.StringIO(read_text(labels_file, fix), newline="")) if row]
+    except csv.Error as err:
+        raise damaged(labels_file, f"is not a CSV file ({err})", fix) from None
     if rows and rows[0][0].strip().lower() == "filename":
         rows = rows[1:]
     if not rows or any(len(row) < 2 for row in rows):

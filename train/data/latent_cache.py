@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from tqdm import tqdm
 from routing.errors import ConfigError
 from train.data.images import IMAGE_EXTENSIONS, center_crop_resize, list_images
 from train.data.latents import DEFAULT_VAE, load_vae, shard_name
+from train.files import damaged, read_json, write_atomic
 
 FORMAT_VERSION = 1
 # Settings that must match between a run and the folder it resumes.
@@ -91,18 +91,20 @@ def _collate(batch: list[tuple[int, torch.Tensor | None]]) -> dict:
 
 
 def _write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write a safetensors shard atomically, so a crash never leaves a half shard that looks finished."""
-    temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    save_file({name: t.contiguous() for name, t in tensors.items()}, str(temporary), metadata=metadata)
-    os.replace(temporary, path)
+    """Write a safetensors shard atomically, so a crash or a full disk never leaves a half shard that looks finished."""
+    contiguous = {name: t.contiguous() for name, t in tensors.items()}
+    write_atomic(path, lambda tmp: save_file(contiguous, str(tmp), metadata=metadata))
 
 
 def _check_plan(out: Path, plan: dict) -> None:
     """Refuse to resume into a folder cached with different settings."""
     meta_file = out / "meta.json"
-    if not meta_file.is_file():
+    if not meta_file.exists():
         return
-    previous = json.loads(meta_file.read_text())
+    fix = "delete it to start this folder afresh, or choose a new --out folder"
+    previous = read_json(meta_file, fix)
+    if not isinstance(previous, dict):
+        raise damaged(meta_file, "does not hold a JSON object", fix)
     for key in _PLAN_KEYS:
         if previous.get(key) != plan[key]:
             raise ConfigError(
@@ -223,8 +225,8 @@ def _write_summary(out: Path, plan: dict, num_shards: int) -> dict:
         shards=shards,
         skipped={"count": len(skipped), "files": skipped},
     )
-    (out / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    write_atomic(out / "stats.json", json.dumps(stats, indent=2) + "\n")
+    write_atomic(out / "meta.json", json.dumps(meta, indent=2) + "\n")  # last: complete=true only once stats.json is whole
     return meta
 
 
@@ -255,7 +257,6 @@ def cache_latents(args: CacheSettings) -> dict | None:
         "num_classes": len(class_names),
         "class_names": class_names,
     }
-    out.mkdir(parents=True, exist_ok=True)
     _check_plan(out, plan)
 
     # Find this process's unfinished shards and load the VAE before anything is written.
@@ -268,7 +269,9 @@ def cache_latents(args: CacheSettings) -> dict | None:
     vae = load_vae(args.vae, device=accelerator.device, dtype=DTYPES[args.encode_dtype]) if todo else None
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (out / "meta.json").write_text(json.dumps(dict(plan, complete=False), indent=2) + "\n")
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomic(out / "meta.json", json.dumps(dict(plan, complete=False), indent=2) + "\n")
+    accelerator.wait_for_everyone()
 
     # Encode them.
     if todo:

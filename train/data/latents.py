@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from routing.errors import ConfigError
+from train.files import read_meta, read_stats
 
 DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
 NORMALIZE_MODES = ("standardize", "scale")
@@ -121,23 +122,27 @@ class LatentDataset:
             raise ConfigError(f"data.normalize={normalize!r} is not one of {NORMALIZE_MODES}.")
         if not self.path.is_dir():
             raise _data_error(self.path, "not a folder")
-        self.meta = self._read_json("meta.json")
-        if not self.meta.get("complete", False):
+        # meta.json and stats.json are checked once, here (train/files/latents.py), and trusted after.
+        try:
+            meta = read_meta(self.path)
+            stats = read_stats(self.path, meta.latent_shape[0])
+        except ConfigError as err:
+            raise ConfigError(f"data.path={str(self.path)!r}: {err}") from None
+        if not meta.complete:
             raise _data_error(self.path, "caching has not finished (meta.json says complete=false)")
-        stats = self._read_json("stats.json")
-
-        self.num_classes: int = int(self.meta["num_classes"])
-        self.class_names: list[str] = list(self.meta["class_names"])
-        self.shape: tuple[int, int, int] = tuple(self.meta["latent_shape"])
-        self.scaling_factor = float(self.meta["scaling_factor"])
-        self.shift_factor = float(self.meta.get("shift_factor", 0.0))  # caches written before it was recorded: SD-VAE, 0
-        self.vae_path: str = vae or self.meta["vae"]
+        self.meta = meta
+        self.num_classes: int = meta.num_classes
+        self.class_names: list[str] = list(meta.class_names)
+        self.shape: tuple[int, int, int] = tuple(meta.latent_shape)
+        self.scaling_factor = meta.scaling_factor
+        self.shift_factor = meta.shift_factor
+        self.vae_path: str | None = vae or meta.vae
         self.normalize = normalize
         self.sigma_data = float(sigma_data)
 
         # Check every shard's header now, so a missing or truncated shard fails at startup, not mid-run.
-        self._files = [self.path / shard["file"] for shard in self.meta["shards"]]
-        counts = [int(shard["count"]) for shard in self.meta["shards"]]
+        self._files = [self.path / shard.file for shard in meta.entries]
+        counts = [shard.count for shard in meta.entries]
         for file, count in zip(self._files, counts):
             self._check_shard(file, count)
         self._starts = np.cumsum([0] + counts[:-1])
@@ -146,11 +151,8 @@ class LatentDataset:
             raise _data_error(self.path, "the shards hold no latents")
 
         # Model-space transform x = a * z + b per channel: SD scaling, then optional standardisation.
-        channel_mean = torch.tensor(stats["mean"], dtype=torch.float32)
-        channel_std = torch.tensor(stats["std"], dtype=torch.float32)
-        if not (torch.isfinite(channel_mean).all() and torch.isfinite(channel_std).all() and (channel_std > 0).all()):
-            raise _data_error(self.path, f"stats.json has a non-finite or zero channel std/mean (std {channel_std.tolist()}), "
-                                         "so the latents are NaN/inf or constant")
+        channel_mean = torch.tensor(stats.mean, dtype=torch.float32)
+        channel_std = torch.tensor(stats.std, dtype=torch.float32)
         if normalize == "standardize":
             a = self.scaling_factor * self.sigma_data / channel_std
             b = -channel_mean * self.sigma_data / channel_std
@@ -169,15 +171,6 @@ class LatentDataset:
                 raise _data_error(self.path, f"shard {file.name} has labels in [{labels.min()}, {labels.max()}] outside the "
                                              f"{self.num_classes} classes of meta.json")
 
-    def _read_json(self, name: str) -> dict:
-        file = self.path / name
-        if not file.is_file():
-            raise _data_error(self.path, f"{name} is missing")
-        try:
-            return json.loads(file.read_text())
-        except json.JSONDecodeError as error:
-            raise _data_error(self.path, f"{name} is not valid JSON ({error})") from error
-
     def _check_shard(self, file: Path, count: int) -> None:
         if not file.is_file():
             raise _data_error(self.path, f"shard {file.name} is missing")
@@ -189,6 +182,12 @@ class LatentDataset:
         for name, shape in expected.items():
             if name not in header or list(header[name]["shape"]) != shape:
                 raise _data_error(self.path, f"shard {file.name} is corrupt (tensor {name!r} is not {shape}); delete it")
+        # Labels must be integers (float labels would be truncated), latents floats.
+        kinds = {"mean": ("F16", "F32"), "std": ("F16", "F32"), "labels": ("I64",)}
+        for name, allowed in kinds.items():
+            if header[name]["dtype"] not in allowed:
+                raise _data_error(self.path, f"shard {file.name} stores {name!r} as {header[name]['dtype']}, not "
+                                             f"{' or '.join(allowed)}; re-encode it")
 
     def __len__(self) -> int:
         return self._length
@@ -257,13 +256,14 @@ def check_vae(cfg_data: Any) -> None:
     vae = _cfg_value(cfg_data, "vae")
     key = "data.vae"
     if vae in (None, ""):
-        meta = Path(str(_cfg_value(cfg_data, "path", ""))).expanduser() / "meta.json"
+        folder = Path(str(_cfg_value(cfg_data, "path", ""))).expanduser()
         try:
-            vae, key = json.loads(meta.read_text()).get("vae"), f"the vae in {meta}"
-        except (OSError, ValueError):
-            return  # the dataset itself reports an unreadable folder
+            vae, key = read_meta(folder).vae, f"the vae in {folder / 'meta.json'}"
+        except ConfigError:
+            return  # the dataset itself refuses a damaged folder, naming data.path
     if not vae:
-        return
+        raise ConfigError(f"{key} names no VAE, so no preview grid could be decoded; pass data.vae=/path/to/sd-vae-ft-ema "
+                          "or trainer.sample_every=0.")
     vae = str(vae)
     looks_local = os.path.isabs(vae) or vae.startswith((".", "~")) or vae.count("/") != 1
     if looks_local and not Path(vae).expanduser().is_dir():

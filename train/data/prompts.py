@@ -19,13 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from backbones.adapters import PRETRAINED, TABLE_KEYS
 from routing.errors import ConfigError
-
-FORMAT = "tread-zoo-prompts/1"
+from train.files import write_atomic
+from train.files.prompt_table import FORMAT, WRITE_ONE, TableHeader, read_header
 # The diffusers pipelines whose `encode_prompt` makes each family's text conditioning.
 PIPELINES = {"flux": ("FluxPipeline",), "sd3": ("StableDiffusion3Pipeline",), "pixart": ("PixArtSigmaPipeline", "PixArtAlphaPipeline")}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -56,37 +55,31 @@ def write_table(table: PromptTable, path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"format": FORMAT, "family": table.family, "prompts": json.dumps(table.prompts), "source": table.source,
                 "stand_in": "true" if table.stand_in else "false"}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in table.tensors.items()}, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in table.tensors.items()}
+    write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     return path
+
+
+def check_table(path: str | os.PathLike, family: str | None = None) -> TableHeader:
+    """The header of the table at `path` (tensors unread); with `family`, refuse one encoded for another family."""
+    header = read_header(path)
+    if family is not None and header.family != family:
+        raise ConfigError(f"prompt table '{path}' was encoded for {header.family}, not {family}; encode the prompts with the "
+                          f"{family} pipeline (python -m train.encode_prompts --family {family}).")
+    if header.family not in TABLE_KEYS or sorted(header.shapes) != sorted(TABLE_KEYS[header.family]):
+        raise ConfigError(f"prompt table '{path}' holds {sorted(header.shapes)} for family {header.family!r}, not the tensors "
+                          f"of {sorted(TABLE_KEYS)}; {WRITE_ONE}.")
+    return header
 
 
 def read_table(path: str | os.PathLike, family: str | None = None) -> PromptTable:
     """The table at `path`; with `family`, refuse one encoded for another family."""
-    path = Path(path)
-    write_one = "write one with `python -m train.encode_prompts` (docs/finetuning.md)"
+    header = check_table(path, family)
     try:
-        with safe_open(path, framework="pt") as f:
-            metadata = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as err:  # a missing or damaged file: safetensors raises several types
-        raise ConfigError(f"prompt table '{path}' is unreadable ({type(err).__name__}); {write_one}.") from None
-    if metadata.get("format") != FORMAT:
-        raise ConfigError(f"'{path}' is not a prompt table (format {metadata.get('format')!r}, expected {FORMAT!r}); {write_one}.")
-    table = PromptTable(metadata["family"], tensors, json.loads(metadata["prompts"]), metadata.get("source", ""),
-                        metadata.get("stand_in") == "true")
-    if family is not None and table.family != family:
-        raise ConfigError(f"prompt table '{path}' was encoded for {table.family}, not {family}; encode the prompts with the "
-                          f"{family} pipeline (python -m train.encode_prompts --family {family}).")
-    rows = {name: t.shape[0] for name, t in tensors.items()}
-    if sorted(tensors) != sorted(TABLE_KEYS[table.family]) or set(rows.values()) != {len(table.prompts)}:
-        raise ConfigError(f"prompt table '{path}' holds {rows} for {len(table.prompts)} prompts, not the "
-                          f"{sorted(TABLE_KEYS[table.family])} that {table.family} needs; {write_one}.")
-    return table
+        tensors = load_file(Path(path).expanduser())
+    except Exception as err:  # the header read, the data did not: safetensors raises several types
+        raise ConfigError(f"prompt table '{path}' is unreadable ({type(err).__name__}); {WRITE_ONE}.") from None
+    return PromptTable(header.family, tensors, header.prompts, header.source, header.stand_in)
 
 
 def random_table(family: str, prompts: list[str], sizes: tuple[int, ...], seed: int = 0) -> PromptTable:

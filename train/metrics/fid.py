@@ -23,7 +23,8 @@ from edm import Objective, generate, with_path_drop_guidance, with_routing_guida
 from routing.errors import ConfigError
 from train.data.images import image_files, load_image
 from train.metrics.frechet import feature_statistics, frechet_distance
-from train.metrics.inception import inception_features, load_inception
+from train.files import read_reference
+from train.metrics.inception import FEATURE_DIMS, inception_features, load_inception, resolve_weights
 
 
 @dataclass
@@ -93,16 +94,19 @@ def folder_features(folder: Path, extractor, accelerator, batch_size: int, size:
 
 
 def reference_statistics(ref: str, extractor, accelerator, batch_size: int, size: int | None = None):
-    """(mu, sigma) from an npz (ADM's keys `mu`, `sigma`) or from the images of a folder."""
+    """(mu, sigma) from an npz (ADM's keys `mu`, `sigma`, checked: train/files/fid_reference.py) or from the images of a folder."""
     path = Path(ref).expanduser()
     if path.is_dir():
         return feature_statistics(folder_features(path, extractor, accelerator, batch_size, size))
-    if not path.is_file():
-        raise ConfigError(f"FID reference {ref!r} does not exist: pass an .npz with mu and sigma, or an image folder.")
-    with np.load(path) as npz:
-        if "mu" not in npz or "sigma" not in npz:
-            raise ConfigError(f"FID reference {ref!r} has keys {sorted(npz.files)}, not 'mu' and 'sigma'.")
-        return npz["mu"].astype(np.float64), npz["sigma"].astype(np.float64)
+    return read_reference(path, FEATURE_DIMS)
+
+
+def check_reference(ref: str, inception: str | None = None) -> None:
+    """Refuse, before any sample is drawn, a reference that cannot be used (a damaged .npz, the wrong size, NaN
+    statistics, a folder with fewer than 2 images) and Inception weights that are missing or not a weights file."""
+    path = Path(str(ref)).expanduser()
+    _fid_images(path) if path.is_dir() else read_reference(path, FEATURE_DIMS)
+    resolve_weights(inception)
 
 
 def sample_features(net, dataset, cfg: FIDConfig, accelerator, extractor, objective: Objective | None = None) -> torch.Tensor:

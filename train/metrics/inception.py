@@ -16,10 +16,12 @@ from pathlib import Path
 import torch
 
 from routing.errors import ConfigError
+from train.files import check_weights
 
 WEIGHTS_FILE = "weights-inception-2015-12-05-6726825d.pth"
 WEIGHTS_URL = f"https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/{WEIGHTS_FILE}"
 FEATURE = "2048"  # pool3, the FID layer
+FEATURE_DIMS = int(FEATURE)
 
 
 def default_weights_path() -> Path:
@@ -30,12 +32,11 @@ def default_weights_path() -> Path:
 def resolve_weights(weights: str | os.PathLike | None) -> Path:
     """The weights file to use, or a ConfigError naming the download and the destination."""
     path = Path(weights).expanduser() if weights else default_weights_path()
-    if not path.is_file():
-        raise ConfigError(
-            f"Inception weights not found at {str(path)!r}: download {WEIGHTS_URL} on a machine with network and "
-            f"put it at {str(default_weights_path())!r} (or anywhere, passing --inception PATH / fid.inception=PATH)."
-        )
-    return path
+    fix = (f"download {WEIGHTS_URL} on a machine with network and put it at {str(default_weights_path())!r} "
+           "(or anywhere, passing --inception PATH / fid.inception=PATH)")
+    if not path.exists():
+        raise ConfigError(f"Inception weights not found at {str(path)!r}: {fix}.")
+    return check_weights(path, fix)
 
 
 def _extractor_class():
@@ -48,9 +49,10 @@ def _extractor_class():
 
 @lru_cache(maxsize=2)
 def _load(path: str, device: str) -> torch.nn.Module:
+    extractor = _extractor_class()
     try:
-        model = _extractor_class()("inception-v3-compat", [FEATURE], feature_extractor_weights_path=path)
-    except (RuntimeError, KeyError, EOFError, OSError) as error:
+        model = extractor("inception-v3-compat", [FEATURE], feature_extractor_weights_path=path)
+    except Exception as error:  # torch.load and load_state_dict raise many types for a damaged or foreign file
         raise ConfigError(
             f"{path!r} is not torch-fidelity's Inception-v3 weights ({type(error).__name__}); "
             f"download {WEIGHTS_URL} again."

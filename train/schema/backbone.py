@@ -17,3 +17,16 @@ class BackboneConfig:
     hidden_size: Optional[int] = key(None, "width (null: the preset's)", ge=8, le=65536, example=384, on_resume=REFUSE)
     # Checked against the family's Block.__init__ signature; add one with +backbone.kwargs.num_heads=8.
     kwargs: Dict[str, Any] = key({}, "family-specific Block arguments, e.g. +backbone.kwargs.num_heads=8", on_resume=REFUSE)
+
+
+# What makes sense for the families' Block arguments (backbone.kwargs): their names and types come from each
+# Block's signature, their ranges and choices from here (check_config), so a bad one is refused before the model
+# is built, not at the first step (Mamba's d_state=0).
+KWARG_RANGES = {
+    "num_heads": {"ge": 1}, "mlp_ratio": {"gt": 0, "le": 64},
+    "d_state": {"ge": 1, "le": 1024}, "expand": {"ge": 1, "le": 16}, "d_conv": {"ge": 1, "le": 64}, "dt_rank": {"ge": 1},
+    "headdim": {"ge": 1},
+    "num_experts": {"ge": 1, "le": 4096}, "capacity": {"gt": 0}, "top_k": {"ge": 1}, "shared_experts": {"ge": 0},
+    "balance_weight": {"ge": 0}, "predictor_weight": {"ge": 0}, "threshold_decay": {"ge": 0, "le": 1},
+}
+KWARG_CHOICES = {"scan_order": ("row", "alternate"), "ssm": ("mamba1", "mamba2")}

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from routing.errors import ConfigError
+from train.schema.backbone import KWARG_CHOICES, KWARG_RANGES
 from train.schema.config import Config
 from train.schema.data import DATA
 from train.schema.finetune import FAMILIES, TEXT_FAMILIES
@@ -132,6 +133,8 @@ def wrong_type(path: str, value: Any, cfg: Any = None) -> ConfigError:
     if found is None:
         return ConfigError(f"{path}={value!r} has the wrong type; see `python -m train --help` for the expected one.")
     tp, meta = found
+    if _base_type(tp) is bool:
+        return ConfigError(f"{path}={value!r} is not true or false; write {path}=true or {path}=false.")
     rng = describe_range(meta)
     return ConfigError(f"{path}={value!r} is not {_type_name(tp)}; it must be {_type_name(tp)}{' ' + rng if rng else ''}{_example(path, meta)}.")
 
@@ -219,6 +222,10 @@ def _check_ranges(cfg: Any, cls: type, prefix: str) -> None:
         if value is None:
             continue
         values = list(value) if isinstance(value, (list, ListConfig)) else [value]
+        if meta.get("length") is not None and len(values) != meta["length"]:
+            raise ConfigError(f"{path}={OmegaConf.to_container(value) if isinstance(value, ListConfig) else value!r} has "
+                              f"{len(values)} values; it must have exactly {meta['length']}, each {describe_range(meta)}"
+                              f"{_example(path, meta)}.")
         for v in values:
             if meta.get("choices") and v not in meta["choices"]:
                 raise out_of_range(path, value, meta)
@@ -235,6 +242,7 @@ def check_config(cfg: Any) -> None:
             _check_ranges(typed[section], options[typed[section].name], f"{section}.")
     _check_resume(typed.resume)
     _check_backbone(typed.backbone)
+    _check_routing(typed.routing)
     _check_finetune(typed)
     fid = typed.fid
     if fid.every and not fid.ref:
@@ -243,6 +251,22 @@ def check_config(cfg: Any) -> None:
         if fid.every and fid[key_]:
             if not Path(str(fid[key_])).expanduser().exists():
                 raise ConfigError(f"fid.{key_}={fid[key_]!r} does not exist; pass an existing file or folder (or fid.every=0 to turn FID off).")
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Refuse a command-line value that Hydra would quietly turn into a bool (trainer.ema_warmup=2 becomes true)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:
+        return  # a malformed override: composing reports it
+    for override in parsed:
+        if override.is_delete() or override.is_sweep_override():
+            continue
+        found = schema_for(override.key_or_group)
+        if found is not None and _base_type(found[0]) is bool and not isinstance(override.value(), bool):
+            raise wrong_type(override.key_or_group, override.value())
 
 
 def _check_resume(resume: Any) -> None:
@@ -308,10 +332,14 @@ def _check_backbone(b: DictConfig) -> None:
         if name not in allowed and not takes_any:
             raise ConfigError(f"backbone.kwargs.{name} is not an argument of the {b.name} block; it takes {', '.join(allowed) or 'none'} "
                               f"(e.g. +backbone.kwargs.{allowed[0] if allowed else 'name'}=...).")
-        want = {"int": int, "float": (int, float), "bool": bool, "str": str}.get(str(params[name].annotation)) if name in params else None
+        want = _annotated(params[name]) if name in params else None
         if want is not None and value is not None and (not isinstance(value, want) or (want is not bool and isinstance(value, bool))):
             raise ConfigError(f"backbone.kwargs.{name}={value!r} is not {_type_name(float if want == (int, float) else want)} "
                               f"(the {b.name} block's {name} is {params[name].annotation}).")
+        meta = {**KWARG_RANGES.get(name, {}), "choices": KWARG_CHOICES.get(name)}
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if (numeric and not in_range(value, meta)) or (meta["choices"] and value not in meta["choices"]):
+            raise out_of_range(f"backbone.kwargs.{name}", value, meta)
     spec = {**module.PRESETS[b.preset], **{k: v for k, v in (("depth", b.depth), ("hidden_size", b.hidden_size)) if v is not None}, **kwargs}
     heads, width = spec.get("num_heads"), spec.get("hidden_size")
     if isinstance(heads, int) and isinstance(width, int):
@@ -319,6 +347,29 @@ def _check_backbone(b: DictConfig) -> None:
         if heads < 1 or width % heads:
             raise ConfigError(f"{where}={heads} does not divide the width {width} (backbone.hidden_size); "
                               f"choose a head count that divides it (e.g. +backbone.kwargs.num_heads={_divisor(width)}).")
+
+
+def _annotated(param: inspect.Parameter) -> Any:
+    """int, (int, float), bool or str for a parameter annotated so (as a type or, postponed, as its name); else None."""
+    name = param.annotation if isinstance(param.annotation, str) else getattr(param.annotation, "__name__", "")
+    return {"int": int, "float": (int, float), "bool": bool, "str": str}.get(name)
+
+
+def _check_routing(r: DictConfig) -> None:
+    """policy_kwargs that the policy takes, of the types it takes (routing/ checks the routes themselves)."""
+    from routing.policy import POLICIES
+
+    if r.policy not in POLICIES:
+        return  # build_policy names the policies
+    params = {name: p for name, p in inspect.signature(POLICIES[r.policy].__init__).parameters.items()
+              if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}  # object.__init__ takes none
+    takes = ", ".join(params) or "none"
+    for name, value in (OmegaConf.to_container(r.policy_kwargs) or {}).items():
+        if name not in params:
+            raise ConfigError(f"routing.policy_kwargs.{name} is not an argument of the {r.policy!r} policy; it takes {takes}.")
+        want = _annotated(params[name])
+        if want is not None and (not isinstance(value, want) or (want is not bool and isinstance(value, bool))):
+            raise ConfigError(f"routing.policy_kwargs.{name}={value!r} is not {_type_name(float if want == (int, float) else want)}.")
 
 
 def _divisor(width: int) -> int:

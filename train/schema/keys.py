@@ -22,9 +22,12 @@ REFUSE = "refuse"  # resuming is refused: the value changes what the saved weigh
 
 
 def key(default: Any, help: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
-        lt: float | None = None, choices: tuple | None = None, example: Any = None, on_resume: str = APPLY) -> Any:
-    """A schema field: default, help text, range (ge/gt/le/lt), allowed values, an example and the resume rule."""
-    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "example": example, "on_resume": on_resume}
+        lt: float | None = None, choices: tuple | None = None, length: int | None = None, example: Any = None,
+        on_resume: str = APPLY) -> Any:
+    """A schema field: default, help text, range (ge/gt/le/lt, of each item for a list), allowed values, the
+    number of items of a list, an example and the resume rule."""
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "length": length, "example": example,
+            "on_resume": on_resume}
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)

@@ -15,8 +15,9 @@ class TrainerConfig:
     batch_size: int = key(64, "GLOBAL batch per optimizer step, over all processes and accumulation steps", ge=1, example=64)
     grad_accum: int = key(1, "micro-batches accumulated per optimizer step", ge=1, example=2)
     lr: float = key(1e-3, "AdamW learning rate", gt=0, le=1, example=1e-4)
-    betas: List[float] = key([0.9, 0.999], "AdamW betas, each in [0, 1)", ge=0, lt=1, example="[0.9,0.999]")
-    weight_decay: float = key(0.0, "AdamW weight decay", ge=0, example=0.01)
+    betas: List[float] = key([0.9, 0.999], "AdamW betas: two values, each in [0, 1)", ge=0, lt=1, length=2, example="[0.9,0.999]")
+    # Decoupled decay shrinks weights by lr x weight_decay per step; above 1 it is never sensible.
+    weight_decay: float = key(0.0, "AdamW weight decay", ge=0, le=1, example=0.01)
     grad_clip: Optional[float] = key(None, "max gradient norm (null: no clipping)", gt=0, example=1.0)
     ema_decay: float = key(0.999, "EMA decay of the sampled weights", ge=0, le=1, example=0.9999)
     ema_warmup: bool = key(True, "timm's EMA warm-up: the decay grows with the step")
@@ -28,3 +29,7 @@ class TrainerConfig:
     ckpt_every: int = key(500, "steps between checkpoints, plus one at the end (0: no checkpoints)", ge=0, example=1000)
     keep_checkpoints: int = key(2, "checkpoints kept in run_dir/checkpoints (the newest; the one `latest` names is never deleted)", ge=1, example=3)
     max_bad_steps: int = key(20, "consecutive steps with a non-finite loss or gradient (each skipped) before the run stops", ge=1, example=50)
+    # Healthy runs of every family change their weight norm by a few percent between checkpoints (tests/test_divergence.py).
+    max_weight_growth: Optional[float] = key(10.0, "a checkpoint whose weight norm exceeds this many times the largest of the "
+                                             "last 5 (the run's start and its checkpoints since) is not saved, and the run "
+                                             "stops (null: no check)", gt=1, example=100)

@@ -1,0 +1,171 @@
+"""File-system faults mid-run: a disk that fills at any write (checkpoint, sample grid, metrics log, latents
+shard), a folder that stops being writable; each stops in one sentence (exit code 3 for a full disk) and leaves
+nothing half-written. The metrics log of a resume is replaced in one rename. Faults come from patched writers."""
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import train.checkpoint as checkpoint
+import train.data.latent_cache as latent_cache
+import train.logger as logger
+from train.cli import RunStopped, friendly_errors
+from train.trainer import Trainer
+from conftest import FAST, compose_cfg
+
+TINY = ["backbone.depth=2", "backbone.hidden_size=32"]
+
+
+def cfg(run, *overrides):
+    return compose_cfg(*FAST, *TINY, f"run_dir={run}", *overrides)
+
+
+def disk_full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def stopped(fn, capsys) -> tuple[int, str]:
+    """Exit code and the one error line of `fn` run as an entry point (no traceback)."""
+    with pytest.raises(SystemExit) as exit_:
+        friendly_errors(fn)()
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    return exit_.value.code, errors[0]
+
+
+@pytest.mark.parametrize("library", ["torch", "safetensors"])
+def test_a_full_disk_at_a_checkpoint_keeps_the_last_good_one(library, tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    trainer = Trainer(cfg(run, "trainer.max_steps=4", "trainer.ckpt_every=2"))
+    real_save, real_file = torch.save, checkpoint.save_file
+
+    def half_then_full(obj, path, *args, **kwargs):
+        # What each library raises when the disk fills mid-file (measured on a full tmpfs).
+        Path(path).write_bytes(b"\0" * 10)
+        if library == "torch":
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+        raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    def at_step_4(save):
+        return lambda obj, path, *a, **k: half_then_full(obj, path) if trainer.step == 4 else save(obj, path, *a, **k)
+
+    monkeypatch.setattr(checkpoint.torch if library == "torch" else checkpoint, "save" if library == "torch" else "save_file",
+                        at_step_4(real_save if library == "torch" else real_file))
+    code, message = stopped(trainer.fit, capsys)
+    assert code == 3
+    assert "could not write the checkpoint of step 4" in message and f"last good checkpoint is {run / 'checkpoints' / 'step_0000002'}" in message
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_0000002"]  # no half-written folder
+
+
+def test_a_full_disk_at_a_sample_grid_leaves_no_cut_png(tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    trainer = Trainer(cfg(run, "trainer.max_steps=2", "trainer.sample_every=2"))
+    monkeypatch.setattr(os, "fsync", disk_full)  # the grid's temporary file cannot be flushed
+    code, message = stopped(trainer.sample_grid, capsys)
+    assert code == 3 and "could not write the sample grid step_0000000.png" in message and "the disk is full" in message
+    assert not (run / "samples").exists() or not list((run / "samples").iterdir())
+
+
+class FillsUp:
+    """A file whose next write stores half its text, then finds the disk full."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def write(self, text):
+        self.real.write(text[: len(text) // 2])
+        self.real.flush()
+        disk_full()
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.real.close()
+
+
+def test_a_full_disk_at_the_metrics_log_leaves_whole_lines(tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    trainer = Trainer(cfg(run, "trainer.max_steps=4"))
+    real_open = Path.open
+
+    def opened(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        return FillsUp(f) if path.name == "metrics.jsonl" and mode == "a" and trainer.step == 3 else f
+
+    monkeypatch.setattr(logger.Path, "open", opened)
+    code, message = stopped(trainer.fit, capsys)
+    assert code == 3 and "could not write metrics.jsonl" in message
+    text = (run / "metrics.jsonl").read_text()
+    assert text.endswith("\n") and [json.loads(line)["step"] for line in text.splitlines()] == [1, 2]
+
+
+def test_a_folder_made_read_only_mid_run_stops_in_one_sentence(tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    trainer = Trainer(cfg(run, "trainer.max_steps=2", "trainer.ckpt_every=2"))
+    monkeypatch.setattr(checkpoint, "save_file", lambda *a, **k: (_ for _ in ()).throw(PermissionError(errno.EACCES, "Permission denied")))
+    code, message = stopped(trainer.fit, capsys)
+    assert code == 3 and "writing failed (Permission denied)" in message and "no checkpoint was written before it" in message
+    assert not list((run / "checkpoints").iterdir())
+
+
+def test_a_full_disk_at_a_latents_shard_leaves_no_shard(tmp_path, monkeypatch, capsys):
+    def fills(tensors, path, metadata=None):
+        Path(path).write_bytes(b"\0" * 10)
+        raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(latent_cache, "save_file", fills)
+    shard = tmp_path / "shard-00000.safetensors"
+    code, message = stopped(lambda: latent_cache._write_shard(shard, {"labels": torch.zeros(2, dtype=torch.long)}, {}), capsys)
+    assert code == 3 and "shard-00000.safetensors" in message and "the disk is full" in message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_resume_rewrites_the_metrics_log_in_one_rename(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    Trainer(cfg(run, "trainer.max_steps=4", "trainer.ckpt_every=2")).fit()
+    full = (run / "metrics.jsonl").read_text()
+    # A kill between writing the trimmed log and renaming it over the old one: the old log is whole.
+    real_replace = os.replace
+
+    def killed(src, dst):
+        if Path(dst).name == "metrics.jsonl":
+            raise KeyboardInterrupt("killed")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(cfg(run, "trainer.max_steps=6", "trainer.ckpt_every=2", "resume=true", "trainer.keep_checkpoints=1",
+                    f"resume={run / 'checkpoints' / 'step_0000002'}"))
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert (run / "metrics.jsonl").read_text() == full and [p.name for p in run.iterdir() if p.name.endswith(".tmp")] == []
+    # The next resume trims it to the checkpoint's step.
+    Trainer(cfg(run, "trainer.max_steps=6", f"resume={run / 'checkpoints' / 'step_0000002'}"))
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_a_half_written_last_metrics_line_is_dropped_on_resume(tmp_path):
+    run = tmp_path / "run"
+    Trainer(cfg(run, "trainer.max_steps=2", "trainer.ckpt_every=2")).fit()
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "lo')  # a kill in the middle of an append
+    resumed = Trainer(cfg(run, "trainer.max_steps=3", "resume=auto"))
+    resumed.fit()
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_overwrite_moves_aside_a_run_whose_log_is_damaged(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\ngarbage\n')
+    Trainer(cfg(run, "overwrite=true"))
+    (old,) = tmp_path.glob("run.old-*")
+    assert (old / "metrics.jsonl").read_text() == '{"step": 1}\ngarbage\n' and not (run / "metrics.jsonl").exists()
