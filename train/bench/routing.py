@@ -33,7 +33,9 @@ def routed_pair(backbone: str, preset: str, policy: str, input_size: int, channe
     model = build_backbone(backbone, preset, input_size=input_size, in_channels=channels, patch_size=patch, num_classes=num_classes)
     routing = OmegaConf.load(CONFIGS / "routing" / f"{policy}.yaml")
     routing.allow_unstructured = True  # the benchmark also measures the 1-D ablation for scan models
-    router = build_router(routing, model)
+    router, plain = build_router(routing, model), model.router
+    model.attach_router(router)  # a SPRINT route's fusion layer joins the model; the unrouted runs leave it unused
+    model.router = plain
     # Selection drawn on the device, as the trainer does: no host copy per route.
     router.generator = torch.Generator(device=device).manual_seed(0)
     net = EDMPrecond(model).to(device).train()
@@ -101,7 +103,7 @@ def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m train.bench.routing", description=__doc__.splitlines()[0])
     p.add_argument("--backbone", default="dit", choices=["dit", "rwkv", "mamba", "diffmoe"])
     p.add_argument("--presets", nargs="+", default=["tiny", "S"])
-    p.add_argument("--policy", default="random", help="routing config to compare with none (random, rows, l1norm)")
+    p.add_argument("--policy", default="random", help="routing config to compare with none (random, rows, l1norm, structured, sprint)")
     p.add_argument("--input-size", type=int, default=32, help="latent side; 32 with patch 2 gives 256 tokens")
     p.add_argument("--channels", type=int, default=4)
     p.add_argument("--patch", type=int, default=2)
