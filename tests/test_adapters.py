@@ -293,7 +293,7 @@ def test_adapter_only_checkpoint_round_trips_exactly(tmp_path):
         FlowLoss()(net, x, cond, t, torch.randn_like(x)).mean().backward()
         optimizer.step()
     save_lora(net.model, tmp_path / "lora")
-    assert sorted(p.name for p in (tmp_path / "lora").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "lora").iterdir()) == ["adapter_config.json", "pytorch_lora_weights.safetensors"]
     saved = lora_state_dict(net.model)
     assert all(".lora_" in k for k in saved)
 
@@ -339,4 +339,50 @@ def test_the_documented_tiny_flux_fine_tuning_runs_end_to_end(tmp_path):
     script = runpy.run_path(str(Path(__file__).parents[1] / "docs" / "finetune_tiny_flux.py"))
     losses = script["main"](["--steps", "2", "--batch", "2", "--out", str(tmp_path)])
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
-    assert (tmp_path / "lora" / "adapter_model.safetensors").is_file()
+    assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+
+@pytest.mark.parametrize("family", ["pixart", "dit"])
+def test_families_without_a_diffusers_lora_loader_export_the_same_format(family, tmp_path):
+    from safetensors import safe_open
+
+    model = build(family)
+    add_lora(model, rank=2, alpha=4, targets="attention_mlp")
+    for p in lora_parameters(model):
+        torch.nn.init.normal_(p)
+    save_lora(model, tmp_path / "lora")
+    with safe_open(tmp_path / "lora" / "pytorch_lora_weights.safetensors", framework="pt") as f:
+        keys, meta = set(f.keys()), f.metadata()
+    assert keys == {f"transformer.{k}" for k in lora_state_dict(model)}
+    assert '"transformer.lora_alpha": 4' in meta["lora_adapter_metadata"]
+    fresh = build(family)
+    load_lora(fresh, tmp_path / "lora")
+    x, t, cond = inputs(family)
+    assert torch.equal(call(adapt(fresh).eval(), x, t, cond), call(adapt(model).eval(), x, t, cond))
+
+
+def test_an_adapter_folder_of_the_previous_format_still_loads(tmp_path):
+    """lora/ as runs wrote it before the diffusers pipeline format: adapter_model.safetensors with unprefixed peft keys."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from backbones.adapters import model_config
+
+    model = build("flux")
+    add_lora(model, rank=4, alpha=8)
+    for p in lora_parameters(model):
+        torch.nn.init.normal_(p)
+    folder = tmp_path / "old"
+    folder.mkdir()
+    save_file(lora_state_dict(model), folder / "adapter_model.safetensors", metadata={"format": "tread-zoo-lora/1"})
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "format": "tread-zoo-lora/1",
+        "lora": {"rank": 4, "alpha": 8, "dropout": 0.0, "targets": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
+                                                                   "add_v_proj", "to_add_out"]},
+        "model": {"class": "FluxTransformer2DModel", "config": model_config(model)},
+    }))
+    fresh = build("flux")
+    assert load_lora(fresh, folder).alpha == 8
+    x, t, cond = inputs("flux")
+    assert torch.equal(call(adapt(fresh).eval(), x, t, cond), call(adapt(model).eval(), x, t, cond))
