@@ -386,3 +386,38 @@ def test_an_adapter_folder_of_the_previous_format_still_loads(tmp_path):
     assert load_lora(fresh, folder).alpha == 8
     x, t, cond = inputs("flux")
     assert torch.equal(call(adapt(fresh).eval(), x, t, cond), call(adapt(model).eval(), x, t, cond))
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+@pytest.mark.parametrize("ratio", [0.0, 0.5])
+def test_ip_adapter_inputs_are_refused_in_one_sentence(family, ratio):
+    net = routed(family, ratio=ratio)
+    x, t, cond = inputs(family)
+    cond["joint_attention_kwargs"] = {"ip_adapter_image_embeds": [torch.randn(B, 4)]}
+    for run in (net, net.reference):
+        with pytest.raises(ConfigError, match=r"IP-adapter inputs \(joint_attention_kwargs\['ip_adapter_image_embeds'\]\)") as err:
+            run(x, t, cond)
+        assert "\n" not in str(err.value)
+
+
+def test_routed_flux_attention_goes_through_the_models_attention_backend(monkeypatch):
+    from diffusers.models import attention_dispatch
+
+    net = routed("flux", ratio=0.5, start=0, end=3)
+    net.model.set_attention_backend("_native_math")
+    seen = []
+    dispatch = attention_dispatch.dispatch_attention_fn
+
+    def spy(*args, backend=None, **kwargs):
+        seen.append((args[0].shape[1], str(backend)))
+        return dispatch(*args, backend=backend, **kwargs)
+
+    monkeypatch.setattr(attention_dispatch, "dispatch_attention_fn", spy)  # what the routed path calls
+    monkeypatch.setattr("diffusers.models.transformers.transformer_flux.dispatch_attention_fn", spy)  # the model's own
+    x, t, cond = inputs("flux")
+    routed_out = call(net, x, t, cond)
+    assert torch.isfinite(routed_out).all()
+    # Blocks 0..3 ran on the kept half of the 36 image tokens (+5 text tokens), block 4 on all of them; every call
+    # used the backend chosen for the model.
+    kept = TEXT + N // 2
+    assert [s for s, _ in seen] == [kept] * 4 + [TEXT + N] and {b for _, b in seen} == {"AttentionBackendName._NATIVE_MATH"}
