@@ -334,3 +334,23 @@ def test_the_documented_cpu_demo_runs(tmp_path):
                                   "trainer.ckpt_every=0", f"run_dir={tmp_path / 'run'}"))
     assert trainer.backbone.depth == 6 and [(r.start_layer_idx, r.end_layer_idx) for r in trainer.backbone.router.routes] == [(2, 4)]
     assert all(torch.isfinite(torch.tensor(trainer.fit())))
+
+
+def test_another_objective_under_a_preset_is_refused_naming_the_cause(models, tmp_path, capsys):
+    from train.cli import precompose
+
+    with pytest.raises(SystemExit) as exit_:
+        precompose("config", ["+experiment=finetune_flux", f"finetune.pretrained={models['flux']}", "objective=edm",
+                              f"finetune.prompts={models['flux_prompts']}", f"run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and err == "error: fine-tuning trains with rectified flow, but objective=edm; add objective=flow."
+
+
+def test_a_relative_pretrained_path_is_stored_absolute(models, tmp_path, monkeypatch):
+    shutil.copytree(models["flux"], tmp_path / "weights" / "flux")
+    monkeypatch.chdir(tmp_path)
+    cfg = compose_cfg(*FAST, *finetune(models, "flux"), "finetune.pretrained=weights/flux", "trainer.max_steps=1",
+                      "trainer.ckpt_every=1", f"run_dir={tmp_path / 'run'}")
+    Trainer(cfg).fit()
+    monkeypatch.chdir(tmp_path / "run")  # train.sample and train.fid from another folder
+    assert load_run(tmp_path / "run").cfg.finetune.pretrained == str(tmp_path / "weights" / "flux")

@@ -4,6 +4,7 @@ fine-tune) with its router, wrapped by the training objective (EDM or flow); and
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -74,6 +75,18 @@ def finetune_family(cfg: DictConfig) -> str | None:
     """The pretrained family a config fine-tunes; None trains `backbone` from scratch (and configs saved before
     fine-tuning existed have no `finetune` section)."""
     return (cfg.get("finetune") or {}).get("family")
+
+
+# Paths a run reads again later (resume, train.sample, train.fid), perhaps from another folder.
+RUN_PATHS = ("finetune.pretrained", "finetune.prompts")
+
+
+def absolute_paths(cfg: DictConfig) -> None:
+    """Store RUN_PATHS as absolute paths, so the run folder's config works from any working directory."""
+    for path in RUN_PATHS:
+        value = OmegaConf.select(cfg, path)
+        if value is not None:
+            OmegaConf.update(cfg, path, str(Path(str(value)).expanduser().resolve()))
 
 
 def build_finetuned(cfg: DictConfig, dataset) -> nn.Module:

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from backbones.diffmoe import auxiliary_losses
 from edm import generate, reduce_loss
 from routing import ConfigError
-from train.build import build_ema, build_net, compile_blocks, compiled_graphs, finetune_family, objective_for
+from train.build import absolute_paths, build_ema, build_net, compile_blocks, compiled_graphs, finetune_family, objective_for
 from train.checkpoint import NonFiniteWeights, latest_checkpoint, load_checkpoint, load_trained_state, recover_checkpoints, save_checkpoint
 from train.cli import RunStopped
 from train.data import build_dataset
@@ -84,6 +84,7 @@ class Trainer:
             accelerator = Accelerator(cpu=t.cpu, mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.grad_accum)
         self.acc = accelerator
         check_config(cfg, self.acc.num_processes)
+        absolute_paths(cfg)
         self.run_dir = Path(cfg.run_dir)
         self._claim = self._claim_run_dir()
         self.dataset = build_dataset(cfg.data, cfg.edm.sigma_data)

@@ -228,7 +228,11 @@ def _check_ranges(cfg: Any, cls: type, prefix: str) -> None:
 
 def check_config(cfg: Any) -> None:
     """Refuse a config with a wrong type, unknown key, value out of range or unfit backbone kwargs (ConfigError)."""
-    typed = _typed(cfg)
+    try:
+        typed = _typed(cfg)
+    except ConfigError:
+        _check_finetune_objective(cfg)  # the cause, when a preset's flow keys are what the objective refused
+        raise
     _check_ranges(typed, Config, "")
     for section, options in OPTION_SCHEMAS.items():
         if typed[section] is not None:
@@ -250,6 +254,17 @@ def _check_resume(resume: Any) -> None:
         return
     if not isinstance(resume, str):
         raise ConfigError(f"resume={resume!r} is not understood; use resume=auto, resume=true or a checkpoint folder (e.g. resume=runs/X/checkpoints/step_0000100).")
+
+
+def _check_finetune_objective(cfg: Any) -> None:
+    """Fine-tuning trains with flow. A preset's flow settings (objective.shift) are not keys of another objective, so
+    `objective=edm` with a preset fails the objective's schema first; this names the cause instead."""
+    plain = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=False)
+    family = (plain.get("finetune") or {}).get("family") if isinstance(plain.get("finetune"), dict) else None
+    objective = plain.get("objective")
+    name = objective.get("name", "edm") if isinstance(objective, dict) else "edm"
+    if family is not None and name != "flow":
+        raise ConfigError(f"fine-tuning trains with rectified flow, but objective={name}; add objective=flow.")
 
 
 def _check_finetune(cfg: DictConfig) -> None:
