@@ -421,3 +421,30 @@ def test_routed_flux_attention_goes_through_the_models_attention_backend(monkeyp
     # used the backend chosen for the model.
     kept = TEXT + N // 2
     assert [s for s, _ in seen] == [kept] * 4 + [TEXT + N] and {b for _, b in seen} == {"AttentionBackendName._NATIVE_MATH"}
+
+
+def test_lora_target_presets_and_lists_name_layers_inside_the_blocks():
+    from backbones.adapters import lora_layers, lora_targets
+
+    model = build("flux")  # 2 double-stream blocks, 3 single-stream blocks
+    attention = lora_targets(model, "attention")
+    assert attention == ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    mlp = lora_targets(model, "attention_mlp")
+    assert "single_transformer_blocks.2.proj_mlp" in mlp and "single_transformer_blocks.2.proj_out" in mlp
+    assert "transformer_blocks.1.ff_context.net.2" in mlp and "proj_out" not in mlp  # never the model's output layer
+    everything = lora_targets(model, "all_linear")
+    assert set(mlp) < set(everything) and "transformer_blocks.0.norm1.linear" in everything
+    assert all(n.startswith(("transformer_blocks.", "single_transformer_blocks.")) for n in everything)
+    assert lora_targets(model, ["proj_mlp", "to_q"]) == tuple(n for n in everything if n.endswith((".proj_mlp", ".to_q")))
+
+    # Counted after injection: 8 attention projections in each double block (6 in the single ones, which have no
+    # to_out and no text projections), and proj_mlp + proj_out + 4 feed-forward layers on top.
+    add_lora(model, rank=2, targets="attention")
+    assert lora_layers(model) == 2 * 8 + 3 * 3
+    other = build("flux")
+    add_lora(other, rank=2, targets=lora_targets(other, "attention_mlp"))
+    assert lora_layers(other) == 2 * (8 + 4) + 3 * (3 + 2) == len(mlp)
+    with pytest.raises(ConfigError, match=r"names \['proj_xyz'\], which match no linear layer in the blocks .* its layers are "):
+        lora_targets(build("flux"), ["to_q", "proj_xyz"])
+    with pytest.raises(ConfigError, match="finetune.lora.targets='mlp' is unknown; choose a preset"):
+        lora_targets(build("flux"), "mlp")

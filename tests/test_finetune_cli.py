@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from backbones.adapters import FAMILIES, PromptConditioned, adapt, add_lora, keep_labels, load_lora, load_pretrained, lora_state_dict
+from backbones.adapters import FAMILIES, PromptConditioned, adapt, add_lora, keep_labels, load_lora, load_pretrained, lora_state_dict, lora_targets
 from routing import ConfigError
 from train.build import TrainableEma, pretrained_of
 from train.checkpoint import load_run
@@ -90,16 +90,18 @@ def test_cli_fine_tunes_flux_keeping_only_the_adapter_then_samples(models, tmp_p
     run = tmp_path / "run"
     preset = ["+experiment=finetune_flux", f"finetune.pretrained={models['flux']}", f"finetune.prompts={models['flux_prompts']}",
               "finetune.dtype=fp32", "finetune.gradient_checkpointing=false", "trainer.mixed_precision=no", "trainer.lr=1e-2",
-              "finetune.lora.rank=4", "finetune.lora.alpha=8", "data=digits"]
+              "finetune.lora.rank=4", "finetune.lora.alpha=8", "finetune.lora.targets=attention_mlp", "data=digits"]
     result = run_module("train", *preset, *FAST, "trainer.max_steps=3", "trainer.ckpt_every=3", f"run_dir={run}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"flux from {models['flux']}" in result.stdout
 
-    # model.safetensors and ema.safetensors hold the LoRA tensors only, with peft's keys.
+    # model.safetensors and ema.safetensors hold the LoRA tensors only, with peft's keys: attention and MLP layers.
     ckpt = run / "checkpoints" / "step_0000003"
     base = load_pretrained("flux", models["flux"])
     full_bytes = (models["flux"] / "diffusion_pytorch_model.safetensors").stat().st_size
-    add_lora(base, rank=4)
+    layers = lora_targets(base, "attention_mlp")
+    add_lora(base, rank=4, targets=layers)
+    assert f"LoRA r4 on {len(layers)} layers (finetune.lora.targets=attention_mlp): {2 * len(layers)} trained tensors" in result.stdout
     expected = set(lora_state_dict(base))
     weights, ema = load_file(ckpt / "model.safetensors"), load_file(ckpt / "ema.safetensors")
     assert set(weights) == set(ema) == expected and all(".lora_" in k for k in expected)
@@ -282,6 +284,8 @@ def test_presets_compose_into_a_checked_fine_tuning_config(models, family):
     (["objective=flow", "finetune.family=dit", "finetune.pretrained={dit}", "finetune.dtype=bf16", "trainer.mixed_precision=bf16",
       "routing.fp32_after_route=true"], "which bf16 base weights (finetune.dtype=bf16) cannot"),
     (["objective=flow", "finetune.family=dit", "finetune.pretrained={dit}", "trainer.compile=true"], "drop trainer.compile."),
+    (["objective=flow", "finetune.family=dit", "finetune.pretrained={dit}", "finetune.lora.targets=mlp"],
+     "finetune.lora.targets='mlp' is neither a preset (attention, attention_mlp, all_linear) nor a list of layer names"),
 ])
 def test_config_refusals_name_the_key_and_the_fix(models, overrides, message):
     with pytest.raises(ConfigError) as err:

@@ -12,7 +12,7 @@ from timm.utils import ModelEmaV3
 from torch import nn
 
 from backbones import Backbone, build_backbone
-from backbones.adapters import PromptConditioned, adapt, add_lora, keep_labels, load_pretrained
+from backbones.adapters import PromptConditioned, adapt, add_lora, keep_labels, load_pretrained, lora_layers, lora_targets
 from edm import Objective, build_objective
 from routing import ConfigError, Router, build_policy, resolve_routes
 from train.data.prompts import DTYPES, read_table
@@ -99,7 +99,10 @@ def build_finetuned(cfg: DictConfig, dataset) -> nn.Module:
     f = cfg.finetune
     model = load_pretrained(f.family, f.pretrained, torch_dtype=DTYPES[f.dtype])
     if f.train == "lora":
-        add_lora(model, f.lora.rank, f.lora.alpha, f.lora.dropout)
+        # Runs saved before finetune.lora.targets existed trained the attention projections.
+        targets = f.lora.get("targets", "attention")
+        targets = targets if isinstance(targets, str) else list(targets)
+        add_lora(model, f.lora.rank, f.lora.alpha, f.lora.dropout, targets=lora_targets(model, targets))
     else:
         model.requires_grad_(True)
     if f.gradient_checkpointing:
@@ -133,6 +136,20 @@ def build_net(cfg: DictConfig, dataset) -> nn.Module:
     if finetune_family(cfg):
         return objective_for(cfg).wrap(build_finetuned(cfg, dataset))
     return objective_for(cfg).wrap(build_backbone_for(cfg, dataset.shape, dataset.num_classes))
+
+
+def describe_finetuning(cfg: DictConfig, net: nn.Module) -> str:
+    """One line for the run's start: the base model, its size, and what trains (LoRA: how many layers and tensors)."""
+    f, model = cfg.finetune, pretrained_of(net)
+    params = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    line = f"{f.family} from {f.pretrained} ({params / 1e6:.2f}M params, {trained / 1e6:.2f}M trained, finetune.train={f.train})"
+    if f.train == "lora":
+        layers = lora_layers(model)
+        targets = f.lora.get("targets", "attention")
+        targets = targets if isinstance(targets, str) else "[" + ",".join(targets) + "]"
+        line += f"; LoRA r{f.lora.rank} on {layers} layers (finetune.lora.targets={targets}): {2 * layers} trained tensors"
+    return line
 
 
 def pretrained_of(net: nn.Module) -> nn.Module:

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from backbones.diffmoe import auxiliary_losses
 from edm import generate, reduce_loss
 from routing import ConfigError
-from train.build import absolute_paths, build_ema, build_net, compile_blocks, compiled_graphs, finetune_family, objective_for
+from train.build import absolute_paths, build_ema, build_net, compile_blocks, compiled_graphs, describe_finetuning, finetune_family, objective_for
 from train.checkpoint import NonFiniteWeights, latest_checkpoint, load_checkpoint, load_trained_state, recover_checkpoints, save_checkpoint
 from train.cli import RunStopped
 from train.data import build_dataset
@@ -286,9 +286,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         params = sum(p.numel() for p in self.backbone.parameters())
-        trained = sum(p.numel() for p in self.backbone.parameters() if p.requires_grad)
-        model = (f"{cfg.finetune.family} from {cfg.finetune.pretrained} ({params / 1e6:.2f}M params, {trained / 1e6:.2f}M trained, "
-                 f"finetune.train={cfg.finetune.train})" if finetune_family(cfg) else
+        model = (describe_finetuning(cfg, self.acc.unwrap_model(self.net)) if finetune_family(cfg) else
                  f"{cfg.backbone.name}-{cfg.backbone.preset}/{cfg.backbone.patch_size} ({params / 1e6:.2f}M params)")
         self.acc.print(f"{model}, "
                        f"routing={cfg.routing.policy}, data={cfg.data.name} {tuple(self.dataset.shape)}, "

@@ -276,7 +276,7 @@ def _check_finetune(cfg: DictConfig) -> None:
             raise ConfigError(f"finetune.{stray[0]} is set but finetune.family is null; set finetune.family={'|'.join(FAMILIES)} "
                               f"(or +experiment=finetune_flux), or drop finetune.{stray[0]}.")
         return
-    from backbones.adapters import pretrained_folder  # torch and the adapters load only for a fine-tuning config
+    from backbones.adapters import TARGET_PRESETS, pretrained_folder  # torch and the adapters load only for a fine-tuning config
 
     name = f"finetune.family={f.family}"
     if f.pretrained is None:
@@ -293,6 +293,11 @@ def _check_finetune(cfg: DictConfig) -> None:
         raise ConfigError(f"{name} takes class labels itself; drop finetune.prompts.")
     if f.prompts is not None and not Path(str(f.prompts)).expanduser().is_file():
         raise ConfigError(f"finetune.prompts={f.prompts!r} does not exist; write the prompt table with `{encode}`.")
+    targets = f.lora.targets
+    listed = isinstance(targets, (list, ListConfig))
+    if not (targets in TARGET_PRESETS if isinstance(targets, str) else listed and len(targets) and all(isinstance(t, str) and t for t in targets)):
+        raise ConfigError(f"finetune.lora.targets={targets!r} is neither a preset ({', '.join(TARGET_PRESETS)}) nor a list of layer "
+                          "names; e.g. finetune.lora.targets=attention_mlp or finetune.lora.targets=[to_q,to_k,to_v,proj_mlp].")
     if f.train == "full" and f.dtype != "fp32":
         raise ConfigError(f"finetune.train=full trains every weight, which stays fp32; set finetune.dtype=fp32 "
                           "(trainer.mixed_precision=bf16 still computes in bf16).")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from train.schema.keys import REFUSE, group, key
 
@@ -13,10 +13,13 @@ TEXT_FAMILIES = ("flux", "sd3", "pixart")  # conditioned through a prompt table;
 
 @dataclass
 class LoraConfig:
-    rank: int = key(16, "LoRA rank r on the attention projections", ge=1, le=4096, example=16, on_resume=REFUSE)
+    rank: int = key(16, "LoRA rank r", ge=1, le=4096, example=16, on_resume=REFUSE)
     alpha: Optional[float] = key(None, "LoRA alpha; the update is scaled by alpha / rank (null: alpha = rank)", gt=0, le=65536,
                                  example=16, on_resume=REFUSE)
     dropout: float = key(0.0, "dropout on the LoRA branch's input", ge=0, lt=1, example=0.1)
+    # A preset name or a list of layer names (matched inside the blocks); checked against the adapters' presets.
+    targets: Any = key("attention", "layers with LoRA: attention | attention_mlp | all_linear, or a list of layer names "
+                       "inside the blocks, e.g. [to_q,to_k,to_v,proj_mlp]", example="attention_mlp", on_resume=REFUSE)
 
 
 @dataclass
@@ -34,4 +37,4 @@ class FinetuneConfig:
     dtype: str = key("fp32", "dtype of the frozen base weights (bf16 needs trainer.mixed_precision=bf16); trained weights stay fp32",
                      choices=("fp32", "bf16"), example="bf16")
     gradient_checkpointing: bool = key(False, "recompute each block's activations in the backward pass (less memory, more time)")
-    lora: LoraConfig = group(LoraConfig, "LoRA on the attention projections (finetune.train=lora)")
+    lora: LoraConfig = group(LoraConfig, "LoRA settings (finetune.train=lora)")
