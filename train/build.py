@@ -79,13 +79,16 @@ def finetune_family(cfg: DictConfig) -> str | None:
 
 # Paths a run reads again later (resume, train.sample, train.fid), perhaps from another folder.
 RUN_PATHS = ("finetune.pretrained", "finetune.prompts")
+CAPTION_PATHS = ("data.path", "data.pipeline", "data.vae", "data.cache")
 
 
 def absolute_paths(cfg: DictConfig) -> None:
-    """Store RUN_PATHS as absolute paths, so the run folder's config works from any working directory."""
-    for path in RUN_PATHS:
+    """Store RUN_PATHS (and a captioned folder's paths) as absolute paths, so the run folder's config works from any
+    working directory."""
+    paths = RUN_PATHS + (CAPTION_PATHS if cfg.data.name == "captions" else ())
+    for path in paths:
         value = OmegaConf.select(cfg, path)
-        if value is not None:
+        if value is not None and value != "pixels":
             OmegaConf.update(cfg, path, str(Path(str(value)).expanduser().resolve()))
 
 
@@ -108,12 +111,16 @@ def build_finetuned(cfg: DictConfig, dataset) -> nn.Module:
     if f.gradient_checkpointing:
         model.enable_gradient_checkpointing()
     net = adapt(model)
-    channels, height, width = dataset.shape
     name = f"the pretrained {net.model_class} in '{f.pretrained}'"
-    if channels != net.latent_channels or height % net.patch or width % net.patch:
-        raise ConfigError(f"data.name={cfg.data.name} gives {channels}x{height}x{width} inputs, but {name} takes "
-                          f"{net.latent_channels}-channel inputs with sides divisible by {net.patch}; fine-tune it on latents of its own VAE.")
-    net.router = router_for(cfg.routing, net.depth, (height // net.patch, width // net.patch), what=name)
+    # Bucketed data trains on several latent shapes; every one must fit the model and the routes.
+    shapes = getattr(dataset, "bucket_shapes", [dataset.shape])
+    for channels, height, width in shapes:
+        if channels != net.latent_channels or height % net.patch or width % net.patch:
+            raise ConfigError(f"data.name={cfg.data.name} gives {channels}x{height}x{width} inputs, but {name} takes "
+                              f"{net.latent_channels}-channel inputs with sides divisible by {net.patch}; fine-tune it on latents of its own VAE"
+                              f"{' (data.alignment: a multiple of the VAE factor x ' + str(net.patch) + ')' if len(shapes) > 1 else ''}.")
+    for _, height, width in shapes:
+        net.router = router_for(cfg.routing, net.depth, (height // net.patch, width // net.patch), what=name)
     if net.router.fuses:
         raise ConfigError(f"routing.routes has a SPRINT route (mode: sprint), whose fusion layer {name} does not have; "
                           "fine-tune with TREAD routes (routing=random or routing=structured).")
@@ -124,6 +131,14 @@ def build_finetuned(cfg: DictConfig, dataset) -> nn.Module:
                               "(num_embeds_ada_norm); fine-tune it on data with its classes.")
         keep_labels(model)  # the trainer drops labels itself, once per sample and seeded
         return net.train()
+    if hasattr(dataset, "prompt_table"):
+        # Captioned data: one row per distinct caption, encoded into the data's cache; kept in host memory, since a
+        # large set's rows (captions x tokens x width) need not all sit on the accelerator.
+        table = dataset.prompt_table()
+        if table.family != f.family:
+            raise ConfigError(f"the caption cache of data.path='{cfg.data.path}' was encoded for {table.family}, not {f.family}; "
+                              "give data.cache another folder (or delete that one) to encode the captions again.")
+        return PromptConditioned(net, table.tensors, on_device=False).train()
     table = read_table(f.prompts, f.family)
     if table.num_classes != dataset.num_classes:
         raise ConfigError(f"data.name={cfg.data.name} has {dataset.num_classes} classes, but finetune.prompts='{f.prompts}' holds "

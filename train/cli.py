@@ -52,6 +52,10 @@ def precompose(config_name: str, overrides: list[str], check: bool = True) -> No
     if check:
         try:
             check_config(cfg)
+            if cfg.data.name == "captions":  # a missing caption or an unreadable image, before Hydra makes the run folder
+                from train.data.captions import check_captions
+
+                check_captions(cfg)
         except ConfigError as err:
             _refuse(err)
 

@@ -86,7 +86,11 @@ class Trainer:
         check_config(cfg, self.acc.num_processes)
         absolute_paths(cfg)
         self.run_dir = Path(cfg.run_dir)
+        # A captioned folder's refusals (a missing caption, an unreadable image) come before the run folder is touched.
+        captioned = self._list_captions() if cfg.data.name == "captions" else None
         self._claim = self._claim_run_dir()
+        if captioned is not None:
+            self._prepare_captions(captioned)
         self.dataset = build_dataset(cfg.data, cfg.edm.sigma_data)
         if len(self.dataset) == 0:
             raise ConfigError(f"data.name='{cfg.data.name}' has no samples; check data.path.")
@@ -142,6 +146,19 @@ class Trainer:
                 claim.release()
             raise
         return claim
+
+    def _list_captions(self) -> list:
+        from train.data.captions import check_captions
+
+        return check_captions(self.cfg)
+
+    def _prepare_captions(self, items: list) -> None:
+        """Encode a captioned folder's new or changed captions and images into its cache (main process), once per run."""
+        from train.data.caption_cache import prepare_captions
+
+        if self.acc.is_main_process:
+            prepare_captions(self.cfg, device=self.acc.device, log=self.acc.print, items=items)
+        self.acc.wait_for_everyone()
 
     def _release_run_dir(self) -> None:
         if self._claim is not None:
@@ -199,7 +216,7 @@ class Trainer:
         # Draw the whole global batch's randomness, then take this process's slices.
         g = seeded(cfg.seed, self.step, 0)
         t_all = self.objective.sample_time(G, g)  # EDM: sigma; flow: t
-        noise_all = torch.randn(G, *self.dataset.shape, generator=g)
+        noise_all = torch.randn(G, *self._batch_shape(), generator=g)
         drop_all = torch.rand(G, generator=g) < cfg.edm.label_dropout
         losses, aux_sums = [], {}
         bad, skip = torch.zeros((), dtype=torch.bool, device=acc.device), False  # divergence guard
@@ -241,10 +258,22 @@ class Trainer:
             self.ema.update(self.acc.unwrap_model(self.net), step=self.step)
         return reduced[0]
 
+    def _global_indices(self, step: int) -> torch.Tensor:
+        """Dataset indices of step `step`'s global batch; bucketed data draws each batch from one bucket."""
+        if hasattr(self.dataset, "batch_indices"):
+            return self.dataset.batch_indices(self.cfg.seed, step, self.cfg.trainer.batch_size)
+        return global_indices(self.cfg.seed, step, self.cfg.trainer.batch_size, len(self.dataset))
+
+    def _batch_shape(self) -> tuple[int, ...]:
+        """The (C, H, W) of this step's samples: the dataset's, or the bucket's of this step's batch."""
+        if hasattr(self.dataset, "shape_of"):
+            return self.dataset.shape_of(self._global_indices(self.step))
+        return self.dataset.shape
+
     def _load_batch(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Clean images and labels of this process's micro-batch at `start` of step `step`: a pure function of the key."""
         step, start = key
-        indices = global_indices(self.cfg.seed, step, self.cfg.trainer.batch_size, len(self.dataset))
+        indices = self._global_indices(step)
         return self.dataset.get(indices[start : start + self.micro_batch], seeded(self.cfg.seed, step, 2, start))
 
     def _batch(self, micro: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -356,7 +385,8 @@ class Trainer:
         s = self.cfg.sample
         path = self.run_dir / "samples" / f"step_{self.step:07d}.png"
         if self.acc.is_main_process:
-            labels = grid_labels(self.dataset.num_classes, s.per_class)
+            # One row per class; a captioned set shows its first captions.
+            labels = grid_labels(getattr(self.dataset, "preview_classes", self.dataset.num_classes), s.per_class)
             ema = self.ema.module.eval()
             x = generate(ema, labels, shape=self.dataset.shape, steps=s.steps, guidance=s.guidance, seed=s.seed,
                          device=self.acc.device, null_label=self.dataset.num_classes, objective=self.objective,

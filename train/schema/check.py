@@ -270,6 +270,7 @@ def _check_finetune_objective(cfg: Any) -> None:
 def _check_finetune(cfg: DictConfig) -> None:
     """What fine-tuning needs: a local pretrained folder, rectified flow, a prompt table for the text families."""
     f = cfg.finetune
+    captions = cfg.data is not None and cfg.data.get("name") == "captions"  # its own checks: train/data/captions.py
     if f.family is None:
         stray = [k for k in ("pretrained", "prompts") if f[k] is not None]
         if stray:
@@ -287,7 +288,9 @@ def _check_finetune(cfg: DictConfig) -> None:
     if objective != "flow":
         raise ConfigError(f"fine-tuning trains with rectified flow, but objective={objective}; add objective=flow.")
     encode = f"python -m train.encode_prompts --family {f.family} --pipeline DIR --prompts ... --out FILE"
-    if f.family in TEXT_FAMILIES and f.prompts is None:
+    if captions and f.prompts is not None:
+        raise ConfigError("data=captions conditions each image on its own caption, encoded into the data's cache; drop finetune.prompts.")
+    if f.family in TEXT_FAMILIES and f.prompts is None and not captions:
         raise ConfigError(f"{name} conditions on text; give finetune.prompts=<prompt table, one prompt per class> (write one with `{encode}`).")
     if f.family not in TEXT_FAMILIES and f.prompts is not None:
         raise ConfigError(f"{name} takes class labels itself; drop finetune.prompts.")
