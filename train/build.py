@@ -4,6 +4,8 @@ fine-tune) with its router, wrapped by the training objective (EDM or flow); and
 from __future__ import annotations
 
 import copy
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -12,7 +14,7 @@ from timm.utils import ModelEmaV3
 from torch import nn
 
 from backbones import Backbone, build_backbone
-from backbones.adapters import PromptConditioned, adapt, add_lora, keep_labels, load_pretrained, lora_layers, lora_targets
+from backbones.adapters import PromptConditioned, adapt, add_lora, keep_labels, load_pretrained, lora_layers, lora_targets, resolution_shift
 from edm import Objective, build_objective
 from routing import ConfigError, Router, build_policy, resolve_routes
 from train.data.prompts import DTYPES, read_table
@@ -131,6 +133,12 @@ def build_finetuned(cfg: DictConfig, dataset) -> nn.Module:
                               "(num_embeds_ada_norm); fine-tune it on data with its classes.")
         keep_labels(model)  # the trainer drops labels itself, once per sample and seeded
         return net.train()
+    if f.family == "flux":
+        # Runs saved before finetune.guidance existed gave the guidance embedding 1.0.
+        net.guidance = float(f.get("guidance", 1.0))
+        if net.guidance != 1.0 and not model.config.guidance_embeds:
+            raise ConfigError(f"finetune.guidance={net.guidance:g} is Flux's distilled guidance, but {name} has no guidance embedding "
+                              "(guidance_embeds=false, as FLUX.1-schnell); drop finetune.guidance.")
     if hasattr(dataset, "prompt_table"):
         # Captioned data: one row per distinct caption, encoded into the data's cache; kept in host memory, since a
         # large set's rows (captions x tokens x width) need not all sit on the accelerator.
@@ -165,6 +173,30 @@ def describe_finetuning(cfg: DictConfig, net: nn.Module) -> str:
         targets = targets if isinstance(targets, str) else "[" + ",".join(targets) + "]"
         line += f"; LoRA r{f.lora.rank} on {layers} layers (finetune.lora.targets={targets}): {2 * layers} trained tensors"
     return line
+
+
+def time_shift(cfg: DictConfig, which: str, patch: int) -> Callable[[tuple[int, ...]], float] | None:
+    """The time shift of a fine-tuning run's training draws (`which="train"`) or sampling grid ("sample") as a function
+    of the sample shape (C, H, W); None where the run keeps the objective's own (unshifted draws, objective.shift grid).
+
+    fixed: objective.shift (SD3's 3). resolution: Flux's exp(mu), mu from the image tokens (H/patch x W/patch) with the
+    pipeline's scheduler constants. Configs saved before these keys existed shifted neither.
+    """
+    f = cfg.get("finetune") or {}
+    mode = f.get(f"{which}_shift") or ("none" if which == "train" else "fixed")
+    if not f.get("family") or mode == "none" or (which == "sample" and mode == "fixed"):
+        return None
+    if mode == "fixed":
+        fixed = float(cfg.objective.shift)
+        return lambda shape: fixed
+    shift = resolution_shift(f.pretrained)
+    return lambda shape: shift((shape[-2] // patch) * (shape[-1] // patch))
+
+
+def sampling_objective(cfg: DictConfig, objective: Objective, net: nn.Module, shape: tuple[int, ...]) -> Objective:
+    """The objective to sample `shape` with: the run's, its grid shifted as finetune.sample_shift says."""
+    shift = time_shift(cfg, "sample", net.patch) if finetune_family(cfg) else None
+    return objective if shift is None else dataclasses.replace(objective, shift=shift(shape))
 
 
 def pretrained_of(net: nn.Module) -> nn.Module:

@@ -21,7 +21,7 @@ from edm import generate, with_path_drop_guidance, with_routing_guidance
 from edm.guidance import CFGDenoiser
 from routing import ConfigError
 from routing.router import count_flops
-from train.build import objective_name
+from train.build import objective_name, sampling_objective
 from train.checkpoint import load_run
 from train.cli import ArgumentParser, add_sampling_rule_flags, bounded, check_sampling_rule_flags, friendly_errors, writable_file
 from train.data.prompts import encode_table, text_pipeline_of
@@ -40,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--classes", type=int, nargs="*", help="class ids to sample (default: all)")
     parser.add_argument("--prompt", action="append", help="a prompt to sample (repeat for more; one grid row each): fine-tuned "
                         "text-to-image runs, encoded with the text encoders the run was conditioned with")
+    parser.add_argument("--flux-guidance", type=bounded(float, 0, 100, example="--flux-guidance 3.5"),
+                        help="Flux's distilled guidance for a guidance-embedding model (FLUX.1-dev; default: the run's finetune.guidance)")
     parser.add_argument("--size", type=pixel_size, help="image size WIDTHxHEIGHT in pixels (captioned runs; default: their most "
                         "common bucket)")
     add_sampling_rule_flags(parser)
@@ -75,6 +77,8 @@ def main(argv: list[str] | None = None) -> Path:
         labels = torch.tensor(args.classes).repeat_interleave(args.per_class)
     else:
         labels = grid_labels(getattr(ds, "preview_classes", ds.num_classes), args.per_class)
+    if args.flux_guidance is not None:
+        set_flux_guidance(loaded, args.flux_guidance)
     if args.moe_threshold is not None or args.moe_target is not None:
         set_inference_capacity(net, threshold=args.moe_threshold, target=args.moe_target)
     bad = load_run(args.rg_bad, args.device).net if args.rg_bad else None
@@ -82,13 +86,22 @@ def main(argv: list[str] | None = None) -> Path:
                                     null_label=classes, bad_net=bad, bad_router=bad.model.router if bad else None)
     sampled = with_path_drop_guidance(sampled, router, args.pdg_scale, classes)
     report_flops(net, sampled, router, args, shape, classes)
+    objective = sampling_objective(loaded.cfg, loaded.objective, net.model, shape)  # a fine-tuning run's grid shift
     x = generate(sampled, labels, shape=shape, steps=args.steps, guidance=args.guidance, seed=args.seed, device=args.device,
-                 sampler=args.sampler, null_label=classes, progress=True, objective=loaded.objective, router=router,
+                 sampler=args.sampler, null_label=classes, progress=True, objective=objective, router=router,
                  route_ratio=args.route_ratio)
     out = args.out or loaded.checkpoint / f"samples_w{args.guidance:g}_seed{args.seed}.png"
     save_grid(ds.to_images(x), out, per_row=args.per_class)
     print(f"wrote {out} ({len(labels)} samples, step {loaded.step}, objective {trained}, guidance {args.guidance:g})")
     return out
+
+
+def set_flux_guidance(loaded, value: float) -> None:
+    adapter = getattr(loaded.net.model, "adapter", loaded.net.model)
+    if getattr(adapter, "family", None) != "flux" or not adapter.model.config.guidance_embeds:
+        raise ConfigError("--flux-guidance is the distilled guidance of a guidance-embedding Flux (FLUX.1-dev), which this run did not "
+                          "fine-tune; drop it (use --guidance for classifier-free guidance).")
+    adapter.guidance = value
 
 
 def pixel_size(text: str) -> tuple[int, int]:

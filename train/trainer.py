@@ -20,9 +20,10 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from backbones.diffmoe import auxiliary_losses
-from edm import generate, reduce_loss
+from edm import generate, reduce_loss, shift_time
 from routing import ConfigError
-from train.build import absolute_paths, build_ema, build_net, compile_blocks, compiled_graphs, describe_finetuning, finetune_family, objective_for
+from train.build import (absolute_paths, build_ema, build_net, compile_blocks, compiled_graphs, describe_finetuning, finetune_family,
+                         objective_for, sampling_objective, time_shift)
 from train.checkpoint import NonFiniteWeights, latest_checkpoint, load_checkpoint, load_trained_state, recover_checkpoints, save_checkpoint
 from train.cli import RunStopped
 from train.data import build_dataset
@@ -99,6 +100,8 @@ class Trainer:
         self.backbone = net.model
         self.micro_batch = t.batch_size // (self.acc.num_processes * t.grad_accum)
         self.objective = objective_for(cfg)
+        # Fine-tuning may shift the training draws towards noise (SD3's fixed shift, Flux's per resolution); None: unshifted.
+        self.train_shift = time_shift(cfg, "train", self.backbone.patch) if finetune_family(cfg) else None
         on_cuda = self.acc.device.type == "cuda"
         if on_cuda:
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # fp32 matmuls on tensor cores
@@ -216,8 +219,11 @@ class Trainer:
         # Draw the whole global batch's randomness, then take this process's slices.
         g = seeded(cfg.seed, self.step, 0)
         t_all = self.objective.sample_time(G, g)  # EDM: sigma; flow: t
-        noise_all = torch.randn(G, *self._batch_shape(), generator=g)
+        shape = self._batch_shape()
+        noise_all = torch.randn(G, *shape, generator=g)
         drop_all = torch.rand(G, generator=g) < cfg.edm.label_dropout
+        if self.train_shift is not None:
+            t_all = shift_time(t_all, self.train_shift(shape))
         losses, aux_sums = [], {}
         bad, skip = torch.zeros((), dtype=torch.bool, device=acc.device), False  # divergence guard
         for micro in range(cfg.trainer.grad_accum):
@@ -388,8 +394,9 @@ class Trainer:
             # One row per class; a captioned set shows its first captions.
             labels = grid_labels(getattr(self.dataset, "preview_classes", self.dataset.num_classes), s.per_class)
             ema = self.ema.module.eval()
+            objective = sampling_objective(self.cfg, self.objective, self.backbone, self.dataset.shape)
             x = generate(ema, labels, shape=self.dataset.shape, steps=s.steps, guidance=s.guidance, seed=s.seed,
-                         device=self.acc.device, null_label=self.dataset.num_classes, objective=self.objective,
+                         device=self.acc.device, null_label=self.dataset.num_classes, objective=objective,
                          router=ema.model.router)
             save_grid(self.dataset.to_images(x), path, per_row=s.per_class)
         self.acc.wait_for_everyone()

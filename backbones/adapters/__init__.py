@@ -32,7 +32,7 @@ from backbones.adapters.lora import (
     lora_targets,
 )
 from backbones.adapters.lora_files import LORA_PIPELINES, load_lora, save_lora
-from backbones.adapters.pretrained import PRETRAINED, family_of, load_pretrained, model_config, pretrained_folder
+from backbones.adapters.pretrained import PRETRAINED, family_of, load_pretrained, model_config, pretrained_folder, resolution_shift
 from backbones.adapters.pixart import PixArtAdapter
 from backbones.adapters.prompts import TABLE_KEYS, PromptConditioned
 from backbones.adapters.sd3 import SD3Adapter
@@ -72,5 +72,5 @@ __all__ = [
     "TARGET_PRESETS", "DiTAdapter", "FluxAdapter", "LoraSpec", "PixArtAdapter", "PromptConditioned", "RoutedTransformer",
     "SD3Adapter", "Stream", "adapt", "add_lora", "family_of", "keep_labels", "load_lora", "load_lora_state_dict",
     "load_pretrained", "lora_layers", "lora_parameters", "lora_state_dict", "lora_targets", "model_config",
-    "pretrained_folder", "save_lora", "token_mask",
+    "pretrained_folder", "resolution_shift", "save_lora", "token_mask",
 ]

@@ -103,10 +103,13 @@ class PerSampleRopeProcessor:
 
 class FluxAdapter(RoutedTransformer):
     """cond: encoder_hidden_states (B, L, joint_attention_dim), pooled_projections (B, pooled_projection_dim),
-    and optionally guidance (float or (B,), for guidance-distilled models; default 1.0), img_ids, txt_ids,
+    and optionally guidance (float or (B,), for guidance-distilled models; default `self.guidance`, 1.0), img_ids, txt_ids,
     joint_attention_kwargs, force_keep."""
 
     family, model_class, patch = "flux", "FluxTransformer2DModel", 2
+    # The distilled guidance a guidance-embedding model (FLUX.1-dev) gets when cond gives none: SimpleTuner's
+    # training default 1.0; a trainer sets finetune.guidance, train.sample --flux-guidance.
+    guidance: float = 1.0
 
     @property
     def latent_channels(self) -> int:
@@ -162,7 +165,7 @@ class FluxAdapter(RoutedTransformer):
         txt_ids = torch.zeros(text.shape[1], 3, device=x.device) if txt_ids is None else txt_ids
         guidance = cond.get("guidance")
         if m.config.guidance_embeds:
-            guidance = torch.as_tensor(1.0 if guidance is None else guidance, device=x.device).float().reshape(-1).expand(b)
+            guidance = torch.as_tensor(self.guidance if guidance is None else guidance, device=x.device).float().reshape(-1).expand(b)
         else:
             guidance = None
         return dict(

@@ -69,6 +69,28 @@ def load_pretrained(family: str, path: str | os.PathLike, torch_dtype: torch.dty
     return model_class(family).from_pretrained(folder, torch_dtype=torch_dtype, local_files_only=True)
 
 
+def resolution_shift(path: str | os.PathLike | None = None):
+    """Flux's resolution-dependent time shift as a function of the image tokens: exp(mu), mu linear in the tokens.
+
+    The constants are the pipeline's scheduler config (scheduler/ beside transformer/ in a pipeline folder), else
+    diffusers' FlowMatchEulerDiscreteScheduler defaults, which are FLUX.1's (0.5 at 256 tokens, 1.15 at 4096); mu is
+    diffusers' own `calculate_shift`, which FluxPipeline uses to shift its sampling grid.
+    """
+    import math
+
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    folder = None if path is None else Path(path).expanduser() / "scheduler"
+    found = folder is not None and (folder / "scheduler_config.json").is_file()
+    c = (FlowMatchEulerDiscreteScheduler.from_pretrained(folder, local_files_only=True) if found else FlowMatchEulerDiscreteScheduler()).config
+
+    def shift(tokens: int) -> float:
+        return math.exp(calculate_shift(tokens, c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift))
+
+    return shift
+
+
 def model_config(model: nn.Module) -> dict:
     """The diffusers config that fixes the model's shape, as plain JSON values."""
     # Private diffusers keys (_class_name, _diffusers_version, _name_or_path, ...) describe provenance, not shape.

@@ -78,6 +78,10 @@ class PromptConditioned(nn.Module):
         return self.adapter.router
 
     @property
+    def patch(self) -> int:
+        return self.adapter.patch
+
+    @property
     def depth(self) -> int:
         return self.adapter.depth
 

@@ -301,6 +301,9 @@ def _check_finetune(cfg: DictConfig) -> None:
     if not (targets in TARGET_PRESETS if isinstance(targets, str) else listed and len(targets) and all(isinstance(t, str) and t for t in targets)):
         raise ConfigError(f"finetune.lora.targets={targets!r} is neither a preset ({', '.join(TARGET_PRESETS)}) nor a list of layer "
                           "names; e.g. finetune.lora.targets=attention_mlp or finetune.lora.targets=[to_q,to_k,to_v,proj_mlp].")
+    if f.guidance != 1.0 and f.family != "flux":
+        raise ConfigError(f"finetune.guidance={f.guidance:g} is Flux's distilled guidance, but {name} has none; drop finetune.guidance "
+                          "(use sample.guidance for classifier-free guidance).")
     if f.train == "full" and f.dtype != "fp32":
         raise ConfigError(f"finetune.train=full trains every weight, which stays fp32; set finetune.dtype=fp32 "
                           "(trainer.mixed_precision=bf16 still computes in bf16).")

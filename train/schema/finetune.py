@@ -9,6 +9,7 @@ from train.schema.keys import REFUSE, group, key
 
 FAMILIES = ("flux", "sd3", "pixart", "dit")
 TEXT_FAMILIES = ("flux", "sd3", "pixart")  # conditioned through a prompt table; DiT takes class labels
+SHIFTS = ("none", "fixed", "resolution")
 
 
 @dataclass
@@ -37,4 +38,10 @@ class FinetuneConfig:
     dtype: str = key("fp32", "dtype of the frozen base weights (bf16 needs trainer.mixed_precision=bf16); trained weights stay fp32",
                      choices=("fp32", "bf16"), example="bf16")
     gradient_checkpointing: bool = key(False, "recompute each block's activations in the backward pass (less memory, more time)")
+    guidance: float = key(1.0, "Flux's distilled guidance given to a guidance-embedding model in training (FLUX.1-dev); "
+                          "train.sample --flux-guidance sets it for sampling", ge=0, le=100, example=1.0)
+    train_shift: str = key("none", "time shift of the training draws: none | fixed (objective.shift, SD3's) | resolution "
+                           "(Flux's, from the image tokens)", choices=SHIFTS, example="resolution", on_resume=REFUSE)
+    sample_shift: str = key("fixed", "time shift of the sampling grid: fixed (objective.shift) | resolution (Flux's)",
+                            choices=SHIFTS[1:], example="resolution")
     lora: LoraConfig = group(LoraConfig, "LoRA settings (finetune.train=lora)")
