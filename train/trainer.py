@@ -7,7 +7,9 @@ repeats an uninterrupted one exactly, and N processes see the same global batch 
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import time
 import weakref
 from pathlib import Path
@@ -33,6 +35,7 @@ from train.logger import MetricsLogger
 from train.rundir import RunDirClaim, refuse_or_move_aside
 from train.schema import check_config as schema_check
 from train.schema import resume_changes
+from train.schema.trainer import tracker_list
 
 
 def seeded(*keys: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -53,6 +56,18 @@ def global_indices(seed: int, step: int, batch: int, n: int) -> torch.Tensor:
         here = epochs == epoch
         out[here] = perm[positions[here] % n]
     return out
+
+
+def flat_settings(cfg: DictConfig) -> dict:
+    """The resolved config as flat scalar settings (`trainer.lr: 0.001`), the form trackers store hyperparameters in."""
+    def flat(node, prefix=""):
+        for k, v in node.items():
+            if isinstance(v, dict):
+                yield from flat(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v if isinstance(v, (int, float, str, bool)) else json.dumps(v)
+
+    return dict(flat({k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "hydra"}))
 
 
 def check_config(cfg: DictConfig, num_processes: int = 1) -> None:
@@ -82,7 +97,10 @@ class Trainer:
             # accelerate keeps one process-wide state; several Trainers in one process (tests, the
             # benchmark grid) may ask for different precisions, so drop it (the process group stays).
             AcceleratorState._reset_state()
-            accelerator = Accelerator(cpu=t.cpu, mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.grad_accum)
+            # Trackers (trainer.log_with) log under run_dir/tb; configs saved before the key existed used TensorBoard.
+            accelerator = Accelerator(cpu=t.cpu, mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.grad_accum,
+                                      log_with=tracker_list(t.get("log_with", "tensorboard")) or None,
+                                      project_dir=str(Path(cfg.run_dir) / "tb"))
         self.acc = accelerator
         check_config(cfg, self.acc.num_processes)
         absolute_paths(cfg)
@@ -123,7 +141,7 @@ class Trainer:
         self.skipped_steps = 0  # divergence guard: steps whose loss or gradient was non-finite (no update)
         self.bad_streak = 0  # ... of them in a row, up to now
         self._maybe_resume()
-        self.logger = MetricsLogger(self.run_dir, self.acc.is_main_process, resume_step=self.step)
+        self.logger = MetricsLogger(self.run_dir, self.acc.is_main_process, resume_step=self.step, trackers=self._start_trackers())
 
     # Set-up.
 
@@ -200,6 +218,15 @@ class Trainer:
         torch.set_rng_state(state["torch_rng"])
         self.step = state["step"]
         self.acc.print(f"resumed from {path} at step {self.step}")
+
+    def _start_trackers(self) -> Accelerator | None:
+        """Start accelerate's trackers of trainer.log_with (TensorBoard writes run_dir/tb/tread-zoo; wandb runs offline
+        unless WANDB_MODE says otherwise); None when there are none."""
+        if not self.acc.log_with:
+            return None
+        wandb = {"name": self.run_dir.name, "dir": str(self.run_dir), "mode": os.environ.get("WANDB_MODE", "offline")}
+        self.acc.init_trackers("tread-zoo", config=flat_settings(self.cfg), init_kwargs={"wandb": wandb})
+        return self.acc
 
     # One optimizer step.
 

@@ -24,6 +24,7 @@ from train.schema.data import DATA
 from train.schema.finetune import FAMILIES, TEXT_FAMILIES
 from train.schema.keys import APPLY, REFUSE, describe_range, in_range
 from train.schema.objective import OBJECTIVES
+from train.schema.trainer import TRACKERS, tracker_list
 
 # Keys whose value is the run itself, not a setting: never compared on resume.
 RUN_KEYS = ("run_dir", "resume", "overwrite")
@@ -237,6 +238,7 @@ def check_config(cfg: Any) -> None:
     for section, options in OPTION_SCHEMAS.items():
         if typed[section] is not None:
             _check_ranges(typed[section], options[typed[section].name], f"{section}.")
+    _check_trackers(typed.trainer.log_with)
     _check_resume(typed.resume)
     _check_backbone(typed.backbone)
     _check_finetune(typed)
@@ -247,6 +249,21 @@ def check_config(cfg: Any) -> None:
         if fid.every and fid[key_]:
             if not Path(str(fid[key_])).expanduser().exists():
                 raise ConfigError(f"fid.{key_}={fid[key_]!r} does not exist; pass an existing file or folder (or fid.every=0 to turn FID off).")
+
+
+def _check_trackers(value: Any) -> None:
+    import importlib.util
+
+    names = list(value) if isinstance(value, (list, ListConfig)) else value
+    if not (names is None or isinstance(names, str) or (isinstance(names, list) and all(isinstance(n, str) for n in names))):
+        raise ConfigError(f"trainer.log_with={value!r} is neither a tracker name nor a list of them (e.g. trainer.log_with=[tensorboard,wandb]).")
+    for name in tracker_list(names):
+        if name not in TRACKERS:
+            raise ConfigError(f"trainer.log_with={name!r} is unknown; choose none or one or more of {', '.join(TRACKERS)} "
+                              "(e.g. trainer.log_with=[tensorboard,wandb]).")
+        if importlib.util.find_spec(TRACKERS[name]) is None and not (name == "tensorboard" and importlib.util.find_spec("tensorboardX")):
+            raise ConfigError(f"trainer.log_with={name} needs the {TRACKERS[name]} package; `pip install {TRACKERS[name]}`, or drop it "
+                              "(trainer.log_with=none keeps metrics.jsonl only).")
 
 
 def _check_resume(resume: Any) -> None:
