@@ -78,6 +78,8 @@ def test_flux_fine_tunes_on_two_aspect_ratios_then_samples_a_prompt(pipeline, tm
     ds = trainer.dataset
     assert ds.num_classes == 4 and ds.captions[0] == "a blue square"  # distinct captions, sorted; row 4 is ""
     assert sorted(ds.bucket_shapes) == [(4, 12, 20), (4, 16, 16)]  # VAE factor 2: 40x24 and 32x32 pixels
+    # Caption dropout is the trainer's label dropout: the null label K is the empty caption, which CFG uses too.
+    assert ds.prompt_table().prompts == [*ds.captions, ""] and trainer.backbone.num_classes == ds.num_classes == 4
     seen = set()
     for _ in range(4):  # 2 + 1 + ... batches: both buckets within an epoch of 4 batches
         shape = trainer._batch_shape()
