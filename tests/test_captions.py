@@ -16,7 +16,7 @@ from train.data.buckets import BucketSchedule, bucket_sizes, fit_to_bucket, near
 from train.data.caption_cache import prepare_captions
 from train.data.captions import list_captioned
 from train.trainer import Trainer
-from conftest import FAST, compose_cfg, run_module
+from conftest import FAST, compose_cfg
 from tiny_pipelines import flux_pipeline, tiny_vae
 
 CAPTIONS = {"square/a.png": "a red square", "square/b.png": "a blue square", "square/c.png": "a red square",
@@ -157,12 +157,15 @@ def test_bad_folders_are_refused_in_one_sentence(tmp_path, problem, message):
     assert "\n" not in str(err.value)
 
 
-def test_the_command_line_refuses_before_touching_the_run_folder(pipeline, tmp_path):
+def test_the_command_line_refuses_before_touching_the_run_folder(pipeline, tmp_path, capsys):
+    from train.cli import precompose  # what `python -m train` runs before Hydra makes the run folder
+
     data = write_images(tmp_path / "data")
     (data / "square" / "b.txt").unlink()
     run = tmp_path / "run"
-    result = run_module("train", *overrides(pipeline, data, run))
-    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+    with pytest.raises(SystemExit) as exit_:
+        precompose("config", overrides(pipeline, data, run))
+    assert exit_.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [
         f"error: image '{data / 'square' / 'b.png'}' has no caption file; write its caption to '{data / 'square' / 'b.txt'}' "
         "(one line of text), or move the image out of data.path."]
     assert not run.exists() and sorted(p.name for p in (data / "square").iterdir()) == ["a.png", "a.txt", "b.png", "c.png", "c.txt"]
