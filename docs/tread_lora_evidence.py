@@ -15,7 +15,7 @@ result is already on disk, so a killed run continues where it stopped:
 3. pretrain: every weight on classes 0-4, dense (no routing), `--pretrain-steps`; its EMA transformer becomes the
    "pretrained" pipeline.
 4. lora: LoRA rank 16 on the attention projections of that pipeline, on classes 5-9, with routing none, random and
-   rows (0.5 over blocks 2..-2, the preset), 3 seeds, `--steps` steps each (equal steps); then the routed policies
+   structured (SPRINT's structured selection; 0.5 over blocks 2..-2, the preset's route), 3 seeds, `--steps` steps each (equal steps); then the routed policies
    again for as many steps as the dense run's median training time buys at their measured median step time
    (equal wall-clock).
 5. score: per run, 50 samples of each of classes 5-9 (25 per attribute; 28 Euler steps, no CFG), scored with the
@@ -48,7 +48,7 @@ WORDS = ["<pad>", "</s>", "<unk>", "a", *NAMES, "small", "large"]
 PRETRAIN_CLASSES, LORA_CLASSES = range(0, 5), range(5, 10)
 FLUX = dict(patch_size=1, in_channels=4, num_layers=2, num_single_layers=4, attention_head_dim=16, num_attention_heads=4,
             joint_attention_dim=64, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
-POLICIES = ("none", "random", "rows")
+POLICIES = ("none", "random", "structured")
 ROUTE = "routing.routes=[{selection_ratio: 0.5, start_layer_idx: 2, end_layer_idx: -2}]"
 
 
@@ -63,7 +63,7 @@ def write_folders(work: Path, per_class: int) -> None:
 
     from train.data.fashion_mnist import fashion_mnist
 
-    if (work / "done-data").is_file():
+    if (work / "data" / "done").is_file():
         return
     train = fashion_mnist(split="train")
     x, y = train.images, train.labels
@@ -71,19 +71,19 @@ def write_folders(work: Path, per_class: int) -> None:
     medians = {c: ink[y == c].median() for c in range(10)}
     g = torch.Generator().manual_seed(0)
     for folder, classes, limit in (("pretrain", PRETRAIN_CLASSES, None), ("lora", LORA_CLASSES, per_class)):
-        shutil.rmtree(work / folder, ignore_errors=True)
+        shutil.rmtree(work / "data" / folder, ignore_errors=True)
         for c in classes:
             picks = torch.nonzero(y == c)[:, 0]
             picks = picks[torch.randperm(len(picks), generator=g)[:limit]] if limit else picks
-            (work / folder / NAMES[c]).mkdir(parents=True)
+            (work / "data" / folder / NAMES[c]).mkdir(parents=True)
             for i in picks.tolist():
                 pixels = ((x[i, 0] + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).numpy()  # exact: the idx bytes
-                stem = work / folder / NAMES[c] / f"{i:05d}"
+                stem = work / "data" / folder / NAMES[c] / f"{i:05d}"
                 Image.fromarray(pixels, mode="L").save(stem.with_suffix(".png"))
                 attr = "large" if ink[i] > medians[c] else "small"
                 stem.with_suffix(".txt").write_text(f"a {NAMES[c]} {attr}\n")
-    (work / "done-data").write_text("ok\n")
-    log(f"data: {work / 'pretrain'} (classes 0-4), {work / 'lora'} ({per_class} per class of 5-9)")
+    (work / "data" / "done").write_text("ok\n")
+    log(f"data: {work / 'data' / 'pretrain'} (classes 0-4), {work / 'data' / 'lora'} ({per_class} per class of 5-9)")
 
 
 # 2. The tiny pipeline.
@@ -249,8 +249,8 @@ def grids(work: Path, out: Path, seeds) -> None:
     from torchvision.utils import save_image
 
     rows = []
-    for name in ("none", "random", "rows"):
-        rows.append(torch.load(work / "lora" / f"{name}-steps-s0" / "grid.pt"))
+    for name in POLICIES:
+        rows.append(torch.load(work / "runs" / "lora" / f"{name}-steps-s0" / "grid.pt"))
     images = ((torch.cat(rows) + 1) / 2).clamp(0, 1)
     images = torch.nn.functional.interpolate(images, scale_factor=2, mode="nearest")
     save_image(images, out / "samples.png", nrow=10, padding=2, pad_value=1.0)
@@ -275,34 +275,35 @@ def main(argv=None) -> None:
 
     write_folders(work, args.per_class)
     write_pipeline(work / "base")
-    train(work / "pretrain", work / "pretrain", work / "base", "finetune.train=full", "routing=none", "routing.routes=[]",
+    train(work / "runs" / "pretrain", work / "data" / "pretrain", work / "base", "finetune.train=full", "routing=none", "routing.routes=[]",
           "trainer.lr=1e-3", "trainer.batch_size=32", f"trainer.max_steps={args.pretrain_steps}", "trainer.grad_clip=1.0",
           f"trainer.ckpt_every={args.pretrain_steps}")
-    export_pretrained(work / "pretrain", work / "base", work / "pretrained")
+    export_pretrained(work / "runs" / "pretrain", work / "base", work / "pretrained")
 
     lora = ["finetune.train=lora", "finetune.lora.rank=16", "finetune.lora.alpha=16", "trainer.lr=1e-3", "trainer.batch_size=16"]
-    routing = {"none": ["routing=none", "routing.routes=[]"], "random": ["routing=random", ROUTE], "rows": ["routing=rows", ROUTE]}
+    routing = {"none": ["routing=none", "routing.routes=[]"], "random": ["routing=random", ROUTE],
+               "structured": ["routing=structured", ROUTE]}
     seeds = range(args.seeds)
     for seed in seeds:  # equal steps: seeds outermost, so every policy has seed 0 early
         for name in POLICIES:
-            train(work / "lora" / f"{name}-steps-s{seed}", work / "lora", work / "pretrained", *lora, *routing[name], f"seed={seed}",
+            train(work / "runs" / "lora" / f"{name}-steps-s{seed}", work / "data" / "lora", work / "pretrained", *lora, *routing[name], f"seed={seed}",
                   f"trainer.max_steps={args.steps}", f"trainer.ckpt_every={args.steps}")
-    per_step = {name: float(np.median([train_seconds(work / "lora" / f"{name}-steps-s{s}")[0] / args.steps for s in seeds]))
+    per_step = {name: float(np.median([train_seconds(work / "runs" / "lora" / f"{name}-steps-s{s}")[0] / args.steps for s in seeds]))
                 for name in POLICIES}
     budget = {name: round(args.steps * per_step["none"] / per_step[name]) for name in POLICIES}
     log(f"median seconds per step {per_step}; equal wall-clock step budgets {budget}")
     for seed in seeds:
         for name in POLICIES[1:]:
-            train(work / "lora" / f"{name}-time-s{seed}", work / "lora", work / "pretrained", *lora, *routing[name], f"seed={seed}",
+            train(work / "runs" / "lora" / f"{name}-time-s{seed}", work / "data" / "lora", work / "pretrained", *lora, *routing[name], f"seed={seed}",
                   f"trainer.max_steps={budget[name]}", f"trainer.ckpt_every={budget[name]}")
 
     scorer = Scorer(args.classifier_cache)
-    base = score_base(work / "pretrained", work / "lora" / "none-steps-s0", scorer, work)
+    base = score_base(work / "pretrained", work / "runs" / "lora" / "none-steps-s0", scorer, work)
     runs = {}
     for kind in ("steps", "time"):
         for name in POLICIES:
             source = "steps" if name == "none" else kind  # the dense run is the reference of both comparisons
-            runs[f"{name}-{kind}"] = [score_run(work / "lora" / f"{name}-{source}-s{s}", scorer) for s in seeds]
+            runs[f"{name}-{kind}"] = [score_run(work / "runs" / "lora" / f"{name}-{source}-s{s}", scorer) for s in seeds]
             log(f"scored {name}-{kind}: {[round(r['classifier_fd'], 2) for r in runs[f'{name}-{kind}']]}")
     summary = {}
     for key, results in runs.items():
