@@ -90,7 +90,6 @@ def write_folders(work: Path, per_class: int) -> None:
 
 def write_pipeline(folder: Path) -> None:
     import diffusers
-    import json as js
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
 
@@ -101,7 +100,7 @@ def write_pipeline(folder: Path) -> None:
     for ch in "abcdefghijklmnopqrstuvwxyz":
         vocab[ch], vocab[ch + "</w>"] = len(vocab), len(vocab) + 1
     (folder / "clip-vocab").mkdir(parents=True, exist_ok=True)
-    (folder / "clip-vocab" / "vocab.json").write_text(js.dumps(vocab))
+    (folder / "clip-vocab" / "vocab.json").write_text(json.dumps(vocab))
     (folder / "clip-vocab" / "merges.txt").write_text("#version: 0.2\n")
     clip_tok = CLIPTokenizer(str(folder / "clip-vocab" / "vocab.json"), str(folder / "clip-vocab" / "merges.txt"), model_max_length=24)
     clip = CLIPTextModel(CLIPTextConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -157,7 +156,6 @@ def export_pretrained(run: Path, base: Path, out: Path) -> None:
 
 class Scorer:
     def __init__(self, cache_dir: str):
-        from train.data.embedded import TensorDataset
         from train.data.fashion_mnist import fashion_mnist
         from train.metrics.classifier import features, load_or_train
 
@@ -170,7 +168,6 @@ class Scorer:
         keep = torch.isin(train.labels, torch.tensor(list(LORA_CLASSES)))
         pick = torch.randperm(int(keep.sum()), generator=g)[:250]
         self.floor = self.score(train.images[keep][pick], train.labels[keep][pick])
-        self.TensorDataset = TensorDataset
 
     def score(self, samples: torch.Tensor, labels: torch.Tensor) -> dict:
         from train.metrics.classifier import sample_scores
