@@ -3,7 +3,7 @@
 Wraps any F(x, c_noise, labels); knows nothing of backbones or routing.
 """
 
-from edm.flow import FLOW_SAMPLERS, FlowLoss, FlowModel, LogitNormalTime, UniformTime, flow_times, sample_flow_euler, sample_flow_heun
+from edm.flow import FLOW_SAMPLERS, FlowLoss, FlowModel, LogitNormalTime, UniformTime, flow_times, sample_flow_euler, sample_flow_heun, shift_time
 from edm.generate import generate
 from edm.guidance import CFGDenoiser, PathDropGuidance, RoutingGuidance, with_path_drop_guidance, with_routing_guidance
 from edm.loss import EDMLoss, LogNormalSigma, reduce_loss
@@ -15,5 +15,5 @@ __all__ = [
     "CFGDenoiser", "EDM", "EDMLoss", "EDMPrecond", "FLOW_SAMPLERS", "Flow", "FlowLoss", "FlowModel", "LogNormalSigma",
     "LogitNormalTime", "OBJECTIVES", "Objective", "PathDropGuidance", "RoutingGuidance", "SAMPLERS", "UniformTime", "build_objective",
     "edm_coefficients", "edm_sigmas", "flow_times", "generate", "reduce_loss", "sample_euler", "sample_flow_euler",
-    "sample_flow_heun", "sample_heun", "with_path_drop_guidance", "with_routing_guidance",
+    "sample_flow_heun", "sample_heun", "shift_time", "with_path_drop_guidance", "with_routing_guidance",
 ]

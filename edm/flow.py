@@ -66,6 +66,12 @@ def flow_times(num_steps: int = 50, shift: float = 1.0, device=None) -> torch.Te
     if shift <= 0:
         raise ValueError(f"objective.shift must be positive, got {shift}")
     t = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64, device=device)
+    return shift_time(t, shift)
+
+
+def shift_time(t: torch.Tensor, shift: float) -> torch.Tensor:
+    """SD3's time shift t' = shift t / (1 + (shift - 1) t), which keeps 0 and 1 and moves the rest towards noise for
+    shift > 1. Flux's resolution-dependent shift is this with shift = exp(mu), mu growing with the image tokens."""
     return shift * t / (1 + (shift - 1) * t)
 
 

@@ -293,7 +293,7 @@ def test_adapter_only_checkpoint_round_trips_exactly(tmp_path):
         FlowLoss()(net, x, cond, t, torch.randn_like(x)).mean().backward()
         optimizer.step()
     save_lora(net.model, tmp_path / "lora")
-    assert sorted(p.name for p in (tmp_path / "lora").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "lora").iterdir()) == ["adapter_config.json", "pytorch_lora_weights.safetensors"]
     saved = lora_state_dict(net.model)
     assert all(".lora_" in k for k in saved)
 
@@ -339,4 +339,112 @@ def test_the_documented_tiny_flux_fine_tuning_runs_end_to_end(tmp_path):
     script = runpy.run_path(str(Path(__file__).parents[1] / "docs" / "finetune_tiny_flux.py"))
     losses = script["main"](["--steps", "2", "--batch", "2", "--out", str(tmp_path)])
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
-    assert (tmp_path / "lora" / "adapter_model.safetensors").is_file()
+    assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+
+@pytest.mark.parametrize("family", ["pixart", "dit"])
+def test_families_without_a_diffusers_lora_loader_export_the_same_format(family, tmp_path):
+    from safetensors import safe_open
+
+    model = build(family)
+    add_lora(model, rank=2, alpha=4, targets="attention_mlp")
+    for p in lora_parameters(model):
+        torch.nn.init.normal_(p)
+    save_lora(model, tmp_path / "lora")
+    with safe_open(tmp_path / "lora" / "pytorch_lora_weights.safetensors", framework="pt") as f:
+        keys, meta = set(f.keys()), f.metadata()
+    assert keys == {f"transformer.{k}" for k in lora_state_dict(model)}
+    assert '"transformer.lora_alpha": 4' in meta["lora_adapter_metadata"]
+    fresh = build(family)
+    load_lora(fresh, tmp_path / "lora")
+    x, t, cond = inputs(family)
+    assert torch.equal(call(adapt(fresh).eval(), x, t, cond), call(adapt(model).eval(), x, t, cond))
+
+
+def test_an_adapter_folder_of_the_previous_format_still_loads(tmp_path):
+    """lora/ as runs wrote it before the diffusers pipeline format: adapter_model.safetensors with unprefixed peft keys."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from backbones.adapters import model_config
+
+    model = build("flux")
+    add_lora(model, rank=4, alpha=8)
+    for p in lora_parameters(model):
+        torch.nn.init.normal_(p)
+    folder = tmp_path / "old"
+    folder.mkdir()
+    save_file(lora_state_dict(model), folder / "adapter_model.safetensors", metadata={"format": "tread-zoo-lora/1"})
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "format": "tread-zoo-lora/1",
+        "lora": {"rank": 4, "alpha": 8, "dropout": 0.0, "targets": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
+                                                                   "add_v_proj", "to_add_out"]},
+        "model": {"class": "FluxTransformer2DModel", "config": model_config(model)},
+    }))
+    fresh = build("flux")
+    assert load_lora(fresh, folder).alpha == 8
+    x, t, cond = inputs("flux")
+    assert torch.equal(call(adapt(fresh).eval(), x, t, cond), call(adapt(model).eval(), x, t, cond))
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+@pytest.mark.parametrize("ratio", [0.0, 0.5])
+def test_ip_adapter_inputs_are_refused_in_one_sentence(family, ratio):
+    net = routed(family, ratio=ratio)
+    x, t, cond = inputs(family)
+    cond["joint_attention_kwargs"] = {"ip_adapter_image_embeds": [torch.randn(B, 4)]}
+    for run in (net, net.reference):
+        with pytest.raises(ConfigError, match=r"IP-adapter inputs \(joint_attention_kwargs\['ip_adapter_image_embeds'\]\)") as err:
+            run(x, t, cond)
+        assert "\n" not in str(err.value)
+
+
+def test_routed_flux_attention_goes_through_the_models_attention_backend(monkeypatch):
+    from diffusers.models import attention_dispatch
+
+    net = routed("flux", ratio=0.5, start=0, end=3)
+    net.model.set_attention_backend("_native_math")
+    seen = []
+    dispatch = attention_dispatch.dispatch_attention_fn
+
+    def spy(*args, backend=None, **kwargs):
+        seen.append((args[0].shape[1], str(backend)))
+        return dispatch(*args, backend=backend, **kwargs)
+
+    monkeypatch.setattr(attention_dispatch, "dispatch_attention_fn", spy)  # what the routed path calls
+    monkeypatch.setattr("diffusers.models.transformers.transformer_flux.dispatch_attention_fn", spy)  # the model's own
+    x, t, cond = inputs("flux")
+    routed_out = call(net, x, t, cond)
+    assert torch.isfinite(routed_out).all()
+    # Blocks 0..3 ran on the kept half of the 36 image tokens (+5 text tokens), block 4 on all of them; every call
+    # used the backend chosen for the model.
+    kept = TEXT + N // 2
+    assert [s for s, _ in seen] == [kept] * 4 + [TEXT + N] and {b for _, b in seen} == {"AttentionBackendName._NATIVE_MATH"}
+
+
+def test_lora_target_presets_and_lists_name_layers_inside_the_blocks():
+    from backbones.adapters import lora_layers, lora_targets
+
+    model = build("flux")  # 2 double-stream blocks, 3 single-stream blocks
+    attention = lora_targets(model, "attention")
+    assert attention == ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    mlp = lora_targets(model, "attention_mlp")
+    assert "single_transformer_blocks.2.proj_mlp" in mlp and "single_transformer_blocks.2.proj_out" in mlp
+    assert "transformer_blocks.1.ff_context.net.2" in mlp and "proj_out" not in mlp  # never the model's output layer
+    everything = lora_targets(model, "all_linear")
+    assert set(mlp) < set(everything) and "transformer_blocks.0.norm1.linear" in everything
+    assert all(n.startswith(("transformer_blocks.", "single_transformer_blocks.")) for n in everything)
+    assert lora_targets(model, ["proj_mlp", "to_q"]) == tuple(n for n in everything if n.endswith((".proj_mlp", ".to_q")))
+
+    # Counted after injection: 8 attention projections in each double block (6 in the single ones, which have no
+    # to_out and no text projections), and proj_mlp + proj_out + 4 feed-forward layers on top.
+    add_lora(model, rank=2, targets="attention")
+    assert lora_layers(model) == 2 * 8 + 3 * 3
+    other = build("flux")
+    add_lora(other, rank=2, targets=lora_targets(other, "attention_mlp"))
+    assert lora_layers(other) == 2 * (8 + 4) + 3 * (3 + 2) == len(mlp)
+    with pytest.raises(ConfigError, match=r"names \['proj_xyz'\], which match no linear layer in the blocks .* its layers are "):
+        lora_targets(build("flux"), ["to_q", "proj_xyz"])
+    with pytest.raises(ConfigError, match="finetune.lora.targets='mlp' is unknown; choose a preset"):
+        lora_targets(build("flux"), "mlp")

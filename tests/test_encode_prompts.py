@@ -3,7 +3,6 @@ encoders from configs, tokenizers from in-memory vocabularies), the random stand
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -13,62 +12,16 @@ from train.data.prompts import read_table
 from train.encode_prompts import main
 from train.trainer import Trainer
 from conftest import FAST, compose_cfg, run_module
+from tiny_pipelines import TEXT_WIDTH, flux_pipeline, pixart_pipeline, sd3_pipeline
 
-WORDS = ["<pad>", "</s>", "<unk>", "a", "photo", "of", "shirt", "trouser", "handwritten"]
 PROMPTS = ["a photo of a shirt", "a photo of a trouser"]
-TEXT_WIDTH, CLIP_WIDTH = 24, 8  # T5 width (the transformers' joint/caption width), each CLIP's width
-
-
-def clip_tokenizer(folder):
-    """A character-level CLIP BPE tokenizer (no merges) over a-z."""
-    from transformers import CLIPTokenizer
-
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for ch in "abcdefghijklmnopqrstuvwxyz":
-        vocab[ch], vocab[ch + "</w>"] = len(vocab), len(vocab) + 1
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "vocab.json").write_text(json.dumps(vocab))
-    (folder / "merges.txt").write_text("#version: 0.2\n")
-    return CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=8), len(vocab)
-
-
-def t5_tokenizer():
-    """A word-level T5 tokenizer (a Unigram model over WORDS, as T5's own tokenizer is a Unigram one)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import T5TokenizerFast
-
-    backend = Tokenizer(models.Unigram([(w, -1.0) for w in WORDS], unk_id=2))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return T5TokenizerFast(tokenizer_object=backend, eos_token="</s>", pad_token="<pad>", unk_token="<unk>", extra_ids=0)
 
 
 @pytest.fixture(scope="module")
 def pipelines(tmp_path_factory):
     """family -> a saved tiny pipeline folder (text encoders, tokenizers, scheduler, transformer; no VAE)."""
-    import diffusers
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
-
     root = tmp_path_factory.mktemp("pipelines")
-    torch.manual_seed(0)
-    clip_tok, vocab = clip_tokenizer(root / "clip-vocab")
-    clip_cfg = CLIPTextConfig(vocab_size=vocab, hidden_size=CLIP_WIDTH, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-                              max_position_embeddings=8, projection_dim=CLIP_WIDTH, bos_token_id=0, eos_token_id=1)
-    t5 = T5EncoderModel(T5Config(vocab_size=len(WORDS), d_model=TEXT_WIDTH, d_ff=16, d_kv=8, num_layers=1, num_heads=2))
-    flow = diffusers.FlowMatchEulerDiscreteScheduler()
-    built = {
-        "flux": diffusers.FluxPipeline(
-            scheduler=flow, vae=None, text_encoder=CLIPTextModel(clip_cfg), tokenizer=clip_tok, text_encoder_2=t5,
-            tokenizer_2=t5_tokenizer(),
-            transformer=diffusers.FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=2,
-                                                         attention_head_dim=16, num_attention_heads=2, joint_attention_dim=TEXT_WIDTH,
-                                                         pooled_projection_dim=CLIP_WIDTH, axes_dims_rope=(4, 6, 6))),
-        "sd3": diffusers.StableDiffusion3Pipeline(
-            scheduler=flow, vae=None, text_encoder=CLIPTextModelWithProjection(clip_cfg), tokenizer=clip_tok,
-            text_encoder_2=CLIPTextModelWithProjection(clip_cfg), tokenizer_2=clip_tok, text_encoder_3=t5, tokenizer_3=t5_tokenizer(),
-            transformer=None),
-        "pixart": diffusers.PixArtSigmaPipeline(tokenizer=t5_tokenizer(), text_encoder=t5, vae=None, transformer=None,
-                                                scheduler=diffusers.DPMSolverMultistepScheduler()),
-    }
+    built = {"flux": flux_pipeline(root), "sd3": sd3_pipeline(root), "pixart": pixart_pipeline(root)}
     for family, pipe in built.items():
         pipe.save_pretrained(root / family)
     return {family: root / family for family in built}

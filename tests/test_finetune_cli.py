@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from backbones.adapters import FAMILIES, PromptConditioned, adapt, add_lora, keep_labels, load_lora, load_pretrained, lora_state_dict
+from backbones.adapters import FAMILIES, PromptConditioned, adapt, add_lora, keep_labels, load_lora, load_pretrained, lora_state_dict, lora_targets
 from routing import ConfigError
-from train.build import TrainableEma
+from train.build import TrainableEma, pretrained_of
 from train.checkpoint import load_run
 from train.data.prompts import random_table, write_table
 from train.schema import check_config
@@ -69,32 +69,59 @@ def losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def same_inputs(family: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x, t = torch.randn(2, 1, 16, 16, generator=g), torch.rand(2, generator=g)
+    return x, t, {"encoder_hidden_states": torch.randn(2, 4, 24, generator=g), "pooled_projections": torch.randn(2, 12, generator=g)}
+
+
+def pipeline_with(family: str, transformer):
+    """The family's diffusers pipeline around `transformer`, without text encoders or VAE (none is needed to load a LoRA)."""
+    import diffusers
+
+    parts = dict(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None, tokenizer=None,
+                 text_encoder_2=None, tokenizer_2=None, transformer=transformer)
+    if family == "sd3":
+        return diffusers.StableDiffusion3Pipeline(**parts, text_encoder_3=None, tokenizer_3=None)
+    return diffusers.FluxPipeline(**parts)
+
+
 def test_cli_fine_tunes_flux_keeping_only_the_adapter_then_samples(models, tmp_path):
     run = tmp_path / "run"
-    result = run_module("train", *FAST, *finetune(models, "flux"), "trainer.max_steps=3", "trainer.ckpt_every=3", f"run_dir={run}")
+    preset = ["+experiment=finetune_flux", f"finetune.pretrained={models['flux']}", f"finetune.prompts={models['flux_prompts']}",
+              "finetune.dtype=fp32", "finetune.gradient_checkpointing=false", "trainer.mixed_precision=no", "trainer.lr=1e-2",
+              "finetune.lora.rank=4", "finetune.lora.alpha=8", "finetune.lora.targets=attention_mlp", "data=digits"]
+    result = run_module("train", *preset, *FAST, "trainer.max_steps=3", "trainer.ckpt_every=3", f"run_dir={run}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"flux from {models['flux']}" in result.stdout
 
-    # model.safetensors and ema.safetensors hold the LoRA tensors only, with peft's keys.
+    # model.safetensors and ema.safetensors hold the LoRA tensors only, with peft's keys: attention and MLP layers.
     ckpt = run / "checkpoints" / "step_0000003"
     base = load_pretrained("flux", models["flux"])
     full_bytes = (models["flux"] / "diffusion_pytorch_model.safetensors").stat().st_size
-    add_lora(base, rank=4)
+    layers = lora_targets(base, "attention_mlp")
+    add_lora(base, rank=4, targets=layers)
+    assert f"LoRA r4 on {len(layers)} layers (finetune.lora.targets=attention_mlp): {2 * len(layers)} trained tensors" in result.stdout
     expected = set(lora_state_dict(base))
     weights, ema = load_file(ckpt / "model.safetensors"), load_file(ckpt / "ema.safetensors")
     assert set(weights) == set(ema) == expected and all(".lora_" in k for k in expected)
     assert (ckpt / "model.safetensors").stat().st_size < full_bytes / 4
 
-    # lora/ is the EMA adapter; load_lora and diffusers' own load_lora_adapter give the same network.
-    exported = load_file(ckpt / "lora" / "adapter_model.safetensors")
-    assert exported.keys() == ema.keys() and all(torch.equal(exported[k], ema[k]) for k in ema)
-    ours, theirs = load_pretrained("flux", models["flux"]), load_pretrained("flux", models["flux"])
-    load_lora(ours, ckpt / "lora")
-    theirs.load_lora_adapter(str(ckpt / "lora"), prefix=None, weight_name="adapter_model.safetensors")
-    g = torch.Generator().manual_seed(0)
-    x, t = torch.randn(2, 1, 16, 16, generator=g), torch.rand(2, generator=g)
-    cond = {"encoder_hidden_states": torch.randn(2, 4, 24, generator=g), "pooled_projections": torch.randn(2, 12, generator=g)}
-    assert torch.equal(adapt(ours).eval()(x, t, cond), adapt(theirs).eval()(x, t, cond))
+    # lora/ is the EMA adapter in diffusers' pipeline format: transformer.-prefixed keys, and FluxPipeline loads it
+    # with no other argument into the network train.sample samples (alpha 8 / rank 4 read from the metadata).
+    exported = load_file(ckpt / "lora" / "pytorch_lora_weights.safetensors")
+    assert set(exported) == {f"transformer.{k}" for k in ema} and all(torch.equal(exported[f"transformer.{k}"], ema[k]) for k in ema)
+    fine_tuned = adapt(pretrained_of(load_run(run).net)).eval()
+    pipe = pipeline_with("flux", load_pretrained("flux", models["flux"]))
+    pipe.load_lora_weights(ckpt / "lora")
+    x, t, cond = same_inputs("flux")
+    with torch.no_grad():
+        ours, theirs, untuned = fine_tuned.reference(x, t, cond), adapt(pipe.transformer).reference(x, t, cond), adapt(base).reference(x, t, cond)
+    assert (ours - theirs).abs().max() <= 1e-6 < (ours - untuned).abs().max()
+    ours_too = load_pretrained("flux", models["flux"])
+    load_lora(ours_too, ckpt / "lora")
+    with torch.no_grad():
+        assert torch.equal(adapt(ours_too).reference(x, t, cond), ours)
 
     out = tmp_path / "grid.png"
     sampled = run_module("train.sample", str(run), "--steps", "2", "--per-class", "1", "--guidance", "2", "--out", str(out))
@@ -102,6 +129,22 @@ def test_cli_fine_tunes_flux_keeping_only_the_adapter_then_samples(models, tmp_p
     from PIL import Image
 
     assert Image.open(out).size[1] > 10 * 16  # one row per class
+
+
+def test_sd3_preset_exports_a_lora_its_pipeline_loads(models, tmp_path):
+    cfg = compose_cfg("+experiment=finetune_sd3", f"finetune.pretrained={models['sd3']}", f"finetune.prompts={models['sd3_prompts']}",
+                      "finetune.dtype=fp32", "finetune.gradient_checkpointing=false", "trainer.mixed_precision=no", "trainer.lr=1e-2",
+                      "finetune.lora.rank=4", "finetune.lora.alpha=2", "data=digits", *FAST, "trainer.ckpt_every=2", f"run_dir={tmp_path / 'run'}")
+    Trainer(cfg).fit()
+    folder = tmp_path / "run" / "checkpoints" / "step_0000002" / "lora"
+    pipe = pipeline_with("sd3", load_pretrained("sd3", models["sd3"]))
+    pipe.load_lora_weights(folder)
+    x, t, cond = same_inputs("sd3")
+    with torch.no_grad():
+        ours = adapt(pretrained_of(load_run(tmp_path / "run").net)).reference(x, t, cond)
+        theirs = adapt(pipe.transformer).reference(x, t, cond)
+        untuned = adapt(load_pretrained("sd3", models["sd3"])).reference(x, t, cond)
+    assert (ours - theirs).abs().max() <= 1e-6 < (ours - untuned).abs().max()
 
 
 @pytest.mark.parametrize("family, extra", [
@@ -241,6 +284,8 @@ def test_presets_compose_into_a_checked_fine_tuning_config(models, family):
     (["objective=flow", "finetune.family=dit", "finetune.pretrained={dit}", "finetune.dtype=bf16", "trainer.mixed_precision=bf16",
       "routing.fp32_after_route=true"], "which bf16 base weights (finetune.dtype=bf16) cannot"),
     (["objective=flow", "finetune.family=dit", "finetune.pretrained={dit}", "trainer.compile=true"], "drop trainer.compile."),
+    (["objective=flow", "finetune.family=dit", "finetune.pretrained={dit}", "finetune.lora.targets=mlp"],
+     "finetune.lora.targets='mlp' is neither a preset (attention, attention_mlp, all_linear) nor a list of layer names"),
 ])
 def test_config_refusals_name_the_key_and_the_fix(models, overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -293,3 +338,23 @@ def test_the_documented_cpu_demo_runs(tmp_path):
                                   "trainer.ckpt_every=0", f"run_dir={tmp_path / 'run'}"))
     assert trainer.backbone.depth == 6 and [(r.start_layer_idx, r.end_layer_idx) for r in trainer.backbone.router.routes] == [(2, 4)]
     assert all(torch.isfinite(torch.tensor(trainer.fit())))
+
+
+def test_another_objective_under_a_preset_is_refused_naming_the_cause(models, tmp_path, capsys):
+    from train.cli import precompose
+
+    with pytest.raises(SystemExit) as exit_:
+        precompose("config", ["+experiment=finetune_flux", f"finetune.pretrained={models['flux']}", "objective=edm",
+                              f"finetune.prompts={models['flux_prompts']}", f"run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and err == "error: fine-tuning trains with rectified flow, but objective=edm; add objective=flow."
+
+
+def test_a_relative_pretrained_path_is_stored_absolute(models, tmp_path, monkeypatch):
+    shutil.copytree(models["flux"], tmp_path / "weights" / "flux")
+    monkeypatch.chdir(tmp_path)
+    cfg = compose_cfg(*FAST, *finetune(models, "flux"), "finetune.pretrained=weights/flux", "trainer.max_steps=1",
+                      "trainer.ckpt_every=1", f"run_dir={tmp_path / 'run'}")
+    Trainer(cfg).fit()
+    monkeypatch.chdir(tmp_path / "run")  # train.sample and train.fid from another folder
+    assert load_run(tmp_path / "run").cfg.finetune.pretrained == str(tmp_path / "weights" / "flux")

@@ -4,6 +4,9 @@ fine-tune) with its router, wrapped by the training objective (EDM or flow); and
 from __future__ import annotations
 
 import copy
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -11,7 +14,7 @@ from timm.utils import ModelEmaV3
 from torch import nn
 
 from backbones import Backbone, build_backbone
-from backbones.adapters import PromptConditioned, adapt, add_lora, keep_labels, load_pretrained
+from backbones.adapters import PromptConditioned, adapt, add_lora, keep_labels, load_pretrained, lora_layers, lora_targets, resolution_shift
 from edm import Objective, build_objective
 from routing import ConfigError, Router, build_policy, resolve_routes
 from train.data.prompts import DTYPES, read_table
@@ -82,6 +85,21 @@ def finetune_family(cfg: DictConfig) -> str | None:
     return (cfg.get("finetune") or {}).get("family")
 
 
+# Paths a run reads again later (resume, train.sample, train.fid), perhaps from another folder.
+RUN_PATHS = ("finetune.pretrained", "finetune.prompts")
+CAPTION_PATHS = ("data.path", "data.pipeline", "data.vae", "data.cache")
+
+
+def absolute_paths(cfg: DictConfig) -> None:
+    """Store RUN_PATHS (and a captioned folder's paths) as absolute paths, so the run folder's config works from any
+    working directory."""
+    paths = RUN_PATHS + (CAPTION_PATHS if cfg.data.name == "captions" else ())
+    for path in paths:
+        value = OmegaConf.select(cfg, path)
+        if value is not None and value != "pixels":
+            OmegaConf.update(cfg, path, str(Path(str(value)).expanduser().resolve()))
+
+
 def build_finetuned(cfg: DictConfig, dataset) -> nn.Module:
     """The pretrained model of `finetune`, ready to train on `dataset`: f(x, t, class_labels), as our backbones.
 
@@ -92,18 +110,25 @@ def build_finetuned(cfg: DictConfig, dataset) -> nn.Module:
     f = cfg.finetune
     model = load_pretrained(f.family, f.pretrained, torch_dtype=DTYPES[f.dtype])
     if f.train == "lora":
-        add_lora(model, f.lora.rank, f.lora.alpha, f.lora.dropout)
+        # Runs saved before finetune.lora.targets existed trained the attention projections.
+        targets = f.lora.get("targets", "attention")
+        targets = targets if isinstance(targets, str) else list(targets)
+        add_lora(model, f.lora.rank, f.lora.alpha, f.lora.dropout, targets=lora_targets(model, targets))
     else:
         model.requires_grad_(True)
     if f.gradient_checkpointing:
         model.enable_gradient_checkpointing()
     net = adapt(model)
-    channels, height, width = dataset.shape
     name = f"the pretrained {net.model_class} in '{f.pretrained}'"
-    if channels != net.latent_channels or height % net.patch or width % net.patch:
-        raise ConfigError(f"data.name={cfg.data.name} gives {channels}x{height}x{width} inputs, but {name} takes "
-                          f"{net.latent_channels}-channel inputs with sides divisible by {net.patch}; fine-tune it on latents of its own VAE.")
-    net.router = router_for(cfg.routing, net.depth, (height // net.patch, width // net.patch), what=name)
+    # Bucketed data trains on several latent shapes; every one must fit the model and the routes.
+    shapes = getattr(dataset, "bucket_shapes", [dataset.shape])
+    for channels, height, width in shapes:
+        if channels != net.latent_channels or height % net.patch or width % net.patch:
+            raise ConfigError(f"data.name={cfg.data.name} gives {channels}x{height}x{width} inputs, but {name} takes "
+                              f"{net.latent_channels}-channel inputs with sides divisible by {net.patch}; fine-tune it on latents of its own VAE"
+                              f"{' (data.alignment: a multiple of the VAE factor x ' + str(net.patch) + ')' if len(shapes) > 1 else ''}.")
+    for _, height, width in shapes:
+        net.router = router_for(cfg.routing, net.depth, (height // net.patch, width // net.patch), what=name)
     if net.router.fuses:
         raise ConfigError(f"routing.routes has a SPRINT route (mode: sprint), whose fusion layer {name} does not have; "
                           "fine-tune with TREAD routes (routing=random or routing=structured).")
@@ -114,6 +139,20 @@ def build_finetuned(cfg: DictConfig, dataset) -> nn.Module:
                               "(num_embeds_ada_norm); fine-tune it on data with its classes.")
         keep_labels(model)  # the trainer drops labels itself, once per sample and seeded
         return net.train()
+    if f.family == "flux":
+        # Runs saved before finetune.guidance existed gave the guidance embedding 1.0.
+        net.guidance = float(f.get("guidance", 1.0))
+        if net.guidance != 1.0 and not model.config.guidance_embeds:
+            raise ConfigError(f"finetune.guidance={net.guidance:g} is Flux's distilled guidance, but {name} has no guidance embedding "
+                              "(guidance_embeds=false, as FLUX.1-schnell); drop finetune.guidance.")
+    if hasattr(dataset, "prompt_table"):
+        # Captioned data: one row per distinct caption, encoded into the data's cache; kept in host memory, since a
+        # large set's rows (captions x tokens x width) need not all sit on the accelerator.
+        table = dataset.prompt_table()
+        if table.family != f.family:
+            raise ConfigError(f"the caption cache of data.path='{cfg.data.path}' was encoded for {table.family}, not {f.family}; "
+                              "give data.cache another folder (or delete that one) to encode the captions again.")
+        return PromptConditioned(net, table.tensors, on_device=False).train()
     table = read_table(f.prompts, f.family)
     if table.num_classes != dataset.num_classes:
         raise ConfigError(f"data.name={cfg.data.name} has {dataset.num_classes} classes, but finetune.prompts='{f.prompts}' holds "
@@ -126,6 +165,44 @@ def build_net(cfg: DictConfig, dataset) -> nn.Module:
     if finetune_family(cfg):
         return objective_for(cfg).wrap(build_finetuned(cfg, dataset))
     return objective_for(cfg).wrap(build_backbone_for(cfg, dataset.shape, dataset.num_classes))
+
+
+def describe_finetuning(cfg: DictConfig, net: nn.Module) -> str:
+    """One line for the run's start: the base model, its size, and what trains (LoRA: how many layers and tensors)."""
+    f, model = cfg.finetune, pretrained_of(net)
+    params = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    line = f"{f.family} from {f.pretrained} ({params / 1e6:.2f}M params, {trained / 1e6:.2f}M trained, finetune.train={f.train})"
+    if f.train == "lora":
+        layers = lora_layers(model)
+        targets = f.lora.get("targets", "attention")
+        targets = targets if isinstance(targets, str) else "[" + ",".join(targets) + "]"
+        line += f"; LoRA r{f.lora.rank} on {layers} layers (finetune.lora.targets={targets}): {2 * layers} trained tensors"
+    return line
+
+
+def time_shift(cfg: DictConfig, which: str, patch: int) -> Callable[[tuple[int, ...]], float] | None:
+    """The time shift of a fine-tuning run's training draws (`which="train"`) or sampling grid ("sample") as a function
+    of the sample shape (C, H, W); None where the run keeps the objective's own (unshifted draws, objective.shift grid).
+
+    fixed: objective.shift (SD3's 3). resolution: Flux's exp(mu), mu from the image tokens (H/patch x W/patch) with the
+    pipeline's scheduler constants. Configs saved before these keys existed shifted neither.
+    """
+    f = cfg.get("finetune") or {}
+    mode = f.get(f"{which}_shift") or ("none" if which == "train" else "fixed")
+    if not f.get("family") or mode == "none" or (which == "sample" and mode == "fixed"):
+        return None
+    if mode == "fixed":
+        fixed = float(cfg.objective.shift)
+        return lambda shape: fixed
+    shift = resolution_shift(f.pretrained)
+    return lambda shape: shift((shape[-2] // patch) * (shape[-1] // patch))
+
+
+def sampling_objective(cfg: DictConfig, objective: Objective, net: nn.Module, shape: tuple[int, ...]) -> Objective:
+    """The objective to sample `shape` with: the run's, its grid shifted as finetune.sample_shift says."""
+    shift = time_shift(cfg, "sample", net.patch) if finetune_family(cfg) else None
+    return objective if shift is None else dataclasses.replace(objective, shift=shift(shape))
 
 
 def pretrained_of(net: nn.Module) -> nn.Module:

@@ -5,8 +5,8 @@ Each checkpoint is written into a temporary folder and renamed into place, and `
 atomically, so a run killed mid-write never leaves a half checkpoint behind the pointer.
 
 A fine-tuning checkpoint holds the trained tensors only: the LoRA tensors with peft's keys (or, with
-finetune.train=full, every weight with diffusers' keys), plus `lora/`, the EMA adapter as `save_lora` writes it
-(for load_lora or diffusers' load_lora_adapter). The base weights stay in finetune.pretrained, whose config
+finetune.train=full, every weight with diffusers' keys), plus `lora/`, the EMA adapter as `save_lora` writes it:
+diffusers' pipeline format, which `FluxPipeline.load_lora_weights(lora/)` (and SD3's) loads, and load_lora too. The base weights stay in finetune.pretrained, whose config
 state.json records, so a changed base model is refused instead of silently mixed with the adapter.
 """
 
@@ -119,7 +119,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model, ema_model, optimizer, cfg
         if finetune_family(cfg):
             state["pretrained"] = model_config(pretrained_of(model))
             if cfg.finetune.train == "lora":
-                save_lora(pretrained_of(ema_model), tmp / "lora")  # the EMA adapter, for load_lora and diffusers
+                save_lora(pretrained_of(ema_model), tmp / "lora")  # the EMA adapter, for diffusers' pipelines and load_lora
         (tmp / "state.json").write_text(json.dumps(state))
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     except BaseException as err:

@@ -92,6 +92,10 @@ def precompose(config_name: str, overrides: list[str], check: Callable[[DictConf
         _refuse(config_error(err) if training else _plain_config_error(config_name, err))
     try:
         (check or (check_config if training else lambda _: None))(cfg)
+        if training and check is None and cfg.data.name == "captions":  # a missing caption or an unreadable image, before any work
+            from train.data.captions import check_captions
+
+            check_captions(cfg)
     except ConfigError as err:
         _refuse(err)
     return cfg

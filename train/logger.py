@@ -1,4 +1,5 @@
-"""Metrics to metrics.jsonl (one JSON object per line) and TensorBoard, on the main process only."""
+"""Metrics to metrics.jsonl (one JSON object per line) and to accelerate's trackers (trainer.log_with), on the main
+process only."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ from train.files import read_metrics, write_atomic
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, enabled: bool, resume_step: int = 0, records: list[tuple[str, int]] | None = None):
-        """`records`: the log's lines as read (and checked) before anything was written; read now when None."""
+    def __init__(self, run_dir: Path, enabled: bool, resume_step: int = 0, records: list[tuple[str, int]] | None = None,
+                 trackers=None):
+        """`records`: the log's lines as read (and checked) before anything was written; read now when None.
+        `trackers`: an Accelerator whose trackers (init_trackers) get every logged value too, or None."""
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
-        self.writer = None
+        self.trackers = trackers
         if not enabled:
             return
         records = read_metrics(self.path) if records is None else records
@@ -22,9 +25,6 @@ class MetricsLogger:
             # (nothing for a fresh start: resume=auto that found no checkpoint). One rename, so a crash here
             # leaves the old log whole.
             write_atomic(self.path, "".join(line + "\n" for line, step in records if step <= resume_step))
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(str(run_dir / "tb"))
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -37,9 +37,9 @@ class MetricsLogger:
             except OSError:
                 f.truncate(end)  # a full disk must not leave half a line
                 raise
-        for key, value in metrics.items():
-            self.writer.add_scalar(key, value, step)
+        if self.trackers is not None:
+            self.trackers.log(metrics, step=step)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        if self.trackers is not None:
+            self.trackers.end_training()

@@ -7,7 +7,9 @@ repeats an uninterrupted one exactly, and N processes see the same global batch 
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import time
 import weakref
 from pathlib import Path
@@ -20,9 +22,10 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from backbones.diffmoe import auxiliary_losses
-from edm import generate, reduce_loss
+from edm import generate, reduce_loss, shift_time
 from routing import ConfigError
-from train.build import build_ema, build_net, compile_blocks, compiled_graphs, finetune_family, objective_for
+from train.build import (absolute_paths, build_ema, build_net, compile_blocks, compiled_graphs, describe_finetuning, finetune_family,
+                         objective_for, sampling_objective, time_shift)
 from train.checkpoint import NonFiniteWeights, latest_checkpoint, load_checkpoint, load_trained_state, recover_checkpoints, save_checkpoint
 from train.cli import RunStopped, is_disk_full
 from train.data import build_dataset
@@ -34,6 +37,7 @@ from train.logger import MetricsLogger
 from train.rundir import HydraRecord, RunDirClaim, check_run_dir, move_aside, refuse_used
 from train.schema import check_config as schema_check
 from train.schema import resume_changes
+from train.schema.trainer import tracker_list
 
 RECENT_NORMS = 5  # the divergence guard compares a checkpoint's weight norm with the start's and the last few checkpoints'
 
@@ -56,6 +60,18 @@ def global_indices(seed: int, step: int, batch: int, n: int) -> torch.Tensor:
         here = epochs == epoch
         out[here] = perm[positions[here] % n]
     return out
+
+
+def flat_settings(cfg: DictConfig) -> dict:
+    """The resolved config as flat scalar settings (`trainer.lr: 0.001`), the form trackers store hyperparameters in."""
+    def flat(node, prefix=""):
+        for k, v in node.items():
+            if isinstance(v, dict):
+                yield from flat(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v if isinstance(v, (int, float, str, bool)) else json.dumps(v)
+
+    return dict(flat({k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "hydra"}))
 
 
 def check_config(cfg: DictConfig, num_processes: int = 1, device: torch.device | None = None) -> None:
@@ -97,9 +113,13 @@ class Trainer:
             # accelerate keeps one process-wide state; several Trainers in one process (tests, the
             # benchmark grid) may ask for different precisions, so drop it (the process group stays).
             AcceleratorState._reset_state()
-            accelerator = Accelerator(cpu=t.cpu, mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.grad_accum)
+            # Trackers (trainer.log_with) log under run_dir/tb; configs saved before the key existed used TensorBoard.
+            accelerator = Accelerator(cpu=t.cpu, mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.grad_accum,
+                                      log_with=tracker_list(t.get("log_with", "tensorboard")) or None,
+                                      project_dir=str(Path(cfg.run_dir) / "tb"))
         self.acc = accelerator
         check_config(cfg, self.acc.num_processes, self.acc.device)
+        absolute_paths(cfg)
         self.run_dir = check_run_dir(cfg.run_dir)
         # An existing folder is locked (not written) while it is checked; the lock is committed with the first write.
         self._claim = RunDirClaim(self.run_dir) if self.acc.is_main_process else None
@@ -119,6 +139,10 @@ class Trainer:
         checkpoint to resume and the metrics log."""
         cfg, t = self.cfg, self.cfg.trainer
         self._move_aside = not cfg.resume and refuse_used(self.run_dir, bool(cfg.get("overwrite")))
+        if cfg.data.name == "captions":
+            # A captioned folder's refusals (a missing caption, an unreadable image) first; then its cache, which the
+            # dataset reads, is brought up to date (beside the data, not in the run folder).
+            self._prepare_captions(self._list_captions())
         self.dataset = build_dataset(cfg.data, cfg.edm.sigma_data)
         if len(self.dataset) == 0:
             raise ConfigError(f"data.name='{cfg.data.name}' has no samples; check data.path.")
@@ -127,6 +151,8 @@ class Trainer:
         self.backbone = net.model
         self.micro_batch = t.batch_size // (self.acc.num_processes * t.grad_accum)
         self.objective = objective_for(cfg)
+        # Fine-tuning may shift the training draws towards noise (SD3's fixed shift, Flux's per resolution); None: unshifted.
+        self.train_shift = time_shift(cfg, "train", self.backbone.patch) if finetune_family(cfg) else None
         on_cuda = self.acc.device.type == "cuda"
         if on_cuda:
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # fp32 matmuls on tensor cores
@@ -166,7 +192,21 @@ class Trainer:
             if record is not None:
                 record.write(self.run_dir)
         self.acc.wait_for_everyone()
-        self.logger = MetricsLogger(self.run_dir, self.acc.is_main_process, resume_step=self.step, records=self._metrics)
+        self.logger = MetricsLogger(self.run_dir, self.acc.is_main_process, resume_step=self.step, records=self._metrics,
+                                    trackers=self._start_trackers())
+
+    def _list_captions(self) -> list:
+        from train.data.captions import check_captions
+
+        return check_captions(self.cfg)
+
+    def _prepare_captions(self, items: list) -> None:
+        """Encode a captioned folder's new or changed captions and images into its cache (main process), once per run."""
+        from train.data.caption_cache import prepare_captions
+
+        if self.acc.is_main_process:
+            prepare_captions(self.cfg, device=self.acc.device, log=self.acc.print, items=items)
+        self.acc.wait_for_everyone()
 
     def _release_run_dir(self) -> None:
         if self._claim is not None:
@@ -214,6 +254,15 @@ class Trainer:
         self.step = state["step"]
         self.acc.print(f"resumed from {path} at step {self.step}")
 
+    def _start_trackers(self) -> Accelerator | None:
+        """Start accelerate's trackers of trainer.log_with (TensorBoard writes run_dir/tb/tread-zoo; wandb runs offline
+        unless WANDB_MODE says otherwise); None when there are none."""
+        if not self.acc.log_with:
+            return None
+        wandb = {"name": self.run_dir.name, "dir": str(self.run_dir), "mode": os.environ.get("WANDB_MODE", "offline")}
+        self.acc.init_trackers("tread-zoo", config=flat_settings(self.cfg), init_kwargs={"wandb": wandb})
+        return self.acc
+
     # One optimizer step.
 
     def train_step(self) -> float:
@@ -232,8 +281,11 @@ class Trainer:
         # Draw the whole global batch's randomness, then take this process's slices.
         g = seeded(cfg.seed, self.step, 0)
         t_all = self.objective.sample_time(G, g)  # EDM: sigma; flow: t
-        noise_all = torch.randn(G, *self.dataset.shape, generator=g)
+        shape = self._batch_shape()
+        noise_all = torch.randn(G, *shape, generator=g)
         drop_all = torch.rand(G, generator=g) < cfg.edm.label_dropout
+        if self.train_shift is not None:
+            t_all = shift_time(t_all, self.train_shift(shape))
         losses, aux_sums = [], {}
         bad, skip = torch.zeros((), dtype=torch.bool, device=acc.device), False  # divergence guard
         for micro in range(cfg.trainer.grad_accum):
@@ -274,10 +326,22 @@ class Trainer:
             self.ema.update(self.acc.unwrap_model(self.net), step=self.step)
         return reduced[0]
 
+    def _global_indices(self, step: int) -> torch.Tensor:
+        """Dataset indices of step `step`'s global batch; bucketed data draws each batch from one bucket."""
+        if hasattr(self.dataset, "batch_indices"):
+            return self.dataset.batch_indices(self.cfg.seed, step, self.cfg.trainer.batch_size)
+        return global_indices(self.cfg.seed, step, self.cfg.trainer.batch_size, len(self.dataset))
+
+    def _batch_shape(self) -> tuple[int, ...]:
+        """The (C, H, W) of this step's samples: the dataset's, or the bucket's of this step's batch."""
+        if hasattr(self.dataset, "shape_of"):
+            return self.dataset.shape_of(self._global_indices(self.step))
+        return self.dataset.shape
+
     def _load_batch(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Clean images and labels of this process's micro-batch at `start` of step `step`: a pure function of the key."""
         step, start = key
-        indices = global_indices(self.cfg.seed, step, self.cfg.trainer.batch_size, len(self.dataset))
+        indices = self._global_indices(step)
         return self.dataset.get(indices[start : start + self.micro_batch], seeded(self.cfg.seed, step, 2, start))
 
     def _batch(self, micro: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -356,9 +420,7 @@ class Trainer:
         if self.acc.is_main_process:
             self._write("config.yaml", lambda: write_atomic(self.run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True)))
         params = sum(p.numel() for p in self.backbone.parameters())
-        trained = sum(p.numel() for p in self.backbone.parameters() if p.requires_grad)
-        model = (f"{cfg.finetune.family} from {cfg.finetune.pretrained} ({params / 1e6:.2f}M params, {trained / 1e6:.2f}M trained, "
-                 f"finetune.train={cfg.finetune.train})" if finetune_family(cfg) else
+        model = (describe_finetuning(cfg, self.acc.unwrap_model(self.net)) if finetune_family(cfg) else
                  f"{cfg.backbone.name}-{cfg.backbone.preset}/{cfg.backbone.patch_size} ({params / 1e6:.2f}M params)")
         self.acc.print(f"{model}, "
                        f"routing={cfg.routing.policy}, data={cfg.data.name} {tuple(self.dataset.shape)}, "
@@ -440,10 +502,12 @@ class Trainer:
         s = self.cfg.sample
         path = self.run_dir / "samples" / f"step_{self.step:07d}.png"
         if self.acc.is_main_process:
-            labels = grid_labels(self.dataset.num_classes, s.per_class)
+            # One row per class; a captioned set shows its first captions.
+            labels = grid_labels(getattr(self.dataset, "preview_classes", self.dataset.num_classes), s.per_class)
             ema = self.ema.module.eval()
+            objective = sampling_objective(self.cfg, self.objective, self.backbone, self.dataset.shape)
             x = generate(ema, labels, shape=self.dataset.shape, steps=s.steps, guidance=s.guidance, seed=s.seed,
-                         device=self.acc.device, null_label=self.dataset.num_classes, objective=self.objective,
+                         device=self.acc.device, null_label=self.dataset.num_classes, objective=objective,
                          router=ema.model.router)
             self._write(f"the sample grid {path.name}", save_grid, self.dataset.to_images(x), path, s.per_class)
         self.acc.wait_for_everyone()

@@ -22,18 +22,17 @@ from backbones.adapters.dit import DiTAdapter, keep_labels
 from backbones.adapters.flux import FluxAdapter
 from backbones.adapters.lora import (
     ATTENTION_PROJECTIONS,
-    PRETRAINED,
+    TARGET_PRESETS,
     LoraSpec,
     add_lora,
-    load_lora,
     load_lora_state_dict,
-    load_pretrained,
+    lora_layers,
     lora_parameters,
     lora_state_dict,
-    model_config,
-    pretrained_folder,
-    save_lora,
+    lora_targets,
 )
+from backbones.adapters.lora_files import LORA_PIPELINES, load_lora, save_lora
+from backbones.adapters.pretrained import PRETRAINED, family_of, load_pretrained, model_config, pretrained_folder, resolution_shift
 from backbones.adapters.pixart import PixArtAdapter
 from backbones.adapters.prompts import TABLE_KEYS, PromptConditioned
 from backbones.adapters.sd3 import SD3Adapter
@@ -69,8 +68,9 @@ def adapt(model: nn.Module, router: Router | None = None, *, policy: str | Routi
 
 
 __all__ = [
-    "ADAPTERS", "ATTENTION_PROJECTIONS", "DIFFUSERS_TESTED", "FAMILIES", "PRETRAINED", "TABLE_KEYS", "DiTAdapter",
-    "FluxAdapter", "LoraSpec", "PixArtAdapter", "PromptConditioned", "RoutedTransformer", "SD3Adapter", "Stream", "adapt",
-    "add_lora", "keep_labels", "load_lora", "load_lora_state_dict", "load_pretrained", "lora_parameters",
-    "lora_state_dict", "model_config", "pretrained_folder", "save_lora", "token_mask",
+    "ADAPTERS", "ATTENTION_PROJECTIONS", "DIFFUSERS_TESTED", "FAMILIES", "LORA_PIPELINES", "PRETRAINED", "TABLE_KEYS",
+    "TARGET_PRESETS", "DiTAdapter", "FluxAdapter", "LoraSpec", "PixArtAdapter", "PromptConditioned", "RoutedTransformer",
+    "SD3Adapter", "Stream", "adapt", "add_lora", "family_of", "keep_labels", "load_lora", "load_lora_state_dict",
+    "load_pretrained", "lora_layers", "lora_parameters", "lora_state_dict", "lora_targets", "model_config",
+    "pretrained_folder", "resolution_shift", "save_lora", "token_mask",
 ]

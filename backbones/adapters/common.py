@@ -164,6 +164,19 @@ def token_mask(mask: torch.Tensor, grid: Grid, patch: int) -> torch.Tensor:
     )
 
 
+# Inputs of diffusers' IP-adapters: the model's own forward projects the image embeddings before the blocks, which
+# the adapters' loop does not re-run.
+IP_ADAPTER_KEYS = ("ip_adapter_image_embeds", "ip_hidden_states", "ip_adapter_masks")
+
+
+def refuse_ip_adapter(kwargs: Mapping | None, name: str) -> None:
+    """One sentence for IP-adapter inputs in `kwargs` (the family's attention kwargs, called `name`)."""
+    given = sorted(k for k in (kwargs or {}) if k in IP_ADAPTER_KEYS)
+    if given:
+        raise ConfigError(f"IP-adapter inputs ({name}[{given[0]!r}]) are not supported by the TREAD adapters, routed or not; "
+                          "drop them from the conditioning (or call the diffusers model itself, without routing).")
+
+
 def split_cond(cond, kwargs: dict) -> tuple[dict, torch.Tensor | None]:
     """Merge a positional cond (a mapping) with keyword conditioning; pull out `force_keep`."""
     merged = {**(dict(cond) if isinstance(cond, Mapping) else {}), **kwargs}

@@ -19,9 +19,8 @@ are the pipeline's (row, column) ids on the packed grid, and text ids are zeros,
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from backbones.adapters.common import RoutedTransformer, Step, Stream, patchify, run_block, split_cond, unpatchify
+from backbones.adapters.common import RoutedTransformer, Step, Stream, patchify, refuse_ip_adapter, run_block, split_cond, unpatchify
 from routing import ConfigError
 
 
@@ -42,10 +41,30 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class PerSampleRopeProcessor:
-    """Flux attention that also accepts a per-sample rotary table; otherwise the original processor."""
+    """Flux attention that also accepts a per-sample rotary table; otherwise the original processor.
+
+    Both paths attend through diffusers' attention dispatch with the backend chosen for the model
+    (`model.set_attention_backend(...)` sets it on this wrapper, which keeps it on the original processor).
+    """
 
     def __init__(self, inner):
         self.inner = inner
+
+    @property
+    def _attention_backend(self):
+        return getattr(self.inner, "_attention_backend", None)
+
+    @_attention_backend.setter
+    def _attention_backend(self, backend):
+        self.inner._attention_backend = backend
+
+    @property
+    def _parallel_config(self):
+        return getattr(self.inner, "_parallel_config", None)
+
+    @_parallel_config.setter
+    def _parallel_config(self, config):
+        self.inner._parallel_config = config
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None, **kwargs):
         if image_rotary_emb is None or image_rotary_emb[0].ndim == 2:
@@ -55,6 +74,7 @@ class PerSampleRopeProcessor:
                 f"routing Flux needs its default attention ({type(self.inner).__name__} with {sorted(kwargs)} given, "
                 "fused projections off); unfuse QKV and drop IP-adapter inputs, or train without routes."
             )
+        from diffusers.models import attention_dispatch
 
         def heads(u):
             return u.unflatten(-1, (-1, attn.head_dim))  # (B, S, H * Dh) -> (B, S, H, Dh)
@@ -69,8 +89,10 @@ class PerSampleRopeProcessor:
             v = torch.cat([heads(attn.add_v_proj(encoder_hidden_states)), v], dim=1)
         cos, sin = image_rotary_emb  # (B, S, Dh) each
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attention_mask)
-        out = out.transpose(1, 2).flatten(2).to(q.dtype)  # (B, H, S, Dh) -> (B, S, H * Dh)
+        # The dispatch takes (B, S, H, Dh), as the model's own processor calls it.
+        out = attention_dispatch.dispatch_attention_fn(q, k, v, attn_mask=attention_mask, backend=self._attention_backend,
+                                                       parallel_config=self._parallel_config)
+        out = out.flatten(2).to(q.dtype)  # (B, S, H, Dh) -> (B, S, H * Dh)
         if encoder_hidden_states is None:
             return out  # single-stream: the block applies its own output projection
         n_text = encoder_hidden_states.shape[1]
@@ -81,10 +103,13 @@ class PerSampleRopeProcessor:
 
 class FluxAdapter(RoutedTransformer):
     """cond: encoder_hidden_states (B, L, joint_attention_dim), pooled_projections (B, pooled_projection_dim),
-    and optionally guidance (float or (B,), for guidance-distilled models; default 1.0), img_ids, txt_ids,
+    and optionally guidance (float or (B,), for guidance-distilled models; default `self.guidance`, 1.0), img_ids, txt_ids,
     joint_attention_kwargs, force_keep."""
 
     family, model_class, patch = "flux", "FluxTransformer2DModel", 2
+    # The distilled guidance a guidance-embedding model (FLUX.1-dev) gets when cond gives none: SimpleTuner's
+    # training default 1.0; a trainer sets finetune.guidance, train.sample --flux-guidance.
+    guidance: float = 1.0
 
     @property
     def latent_channels(self) -> int:
@@ -130,6 +155,7 @@ class FluxAdapter(RoutedTransformer):
     def inputs(self, x, t, cond):
         """The diffusers forward's inputs for (x, t, cond): packed tokens, ids, timestep and guidance."""
         m = self.model
+        refuse_ip_adapter(cond.get("joint_attention_kwargs"), "joint_attention_kwargs")
         b, _, height, width = x.shape
         h, w = height // 2, width // 2
         text = cond["encoder_hidden_states"]
@@ -139,7 +165,7 @@ class FluxAdapter(RoutedTransformer):
         txt_ids = torch.zeros(text.shape[1], 3, device=x.device) if txt_ids is None else txt_ids
         guidance = cond.get("guidance")
         if m.config.guidance_embeds:
-            guidance = torch.as_tensor(1.0 if guidance is None else guidance, device=x.device).float().reshape(-1).expand(b)
+            guidance = torch.as_tensor(self.guidance if guidance is None else guidance, device=x.device).float().reshape(-1).expand(b)
         else:
             guidance = None
         return dict(

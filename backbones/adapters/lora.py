@@ -1,76 +1,36 @@
-"""Pretrained loading from a local folder, and LoRA (peft) on the attention projections with adapter-only files.
+"""LoRA (peft) on a pretrained diffusers transformer: which layers, injection, and the LoRA tensors in memory.
 
-- `load_pretrained(family, path)`: a diffusers transformer from a local folder, never from the network; a
-  missing folder is a ConfigError naming what to fetch.
-- `add_lora(model, rank=...)`: freezes every base weight and adds LoRA to the attention projections present
-  (to_q, to_k, to_v, to_out.0 and, for joint attention, add_q/k/v_proj and to_add_out).
-- `save_lora(model, folder)` / `load_lora(model, folder)`: only the LoRA tensors (safetensors) plus a small
-  JSON (LoRA settings, the model's class and config); loading checks both and restores the tensors exactly.
-- `lora_state_dict` / `load_lora_state_dict`: the same tensors in memory, for a trainer's own checkpoints.
+- `add_lora(model, rank=..., targets=...)`: freezes every base weight and adds LoRA to the target layers;
+  `targets` is a preset (TARGET_PRESETS: attention, attention_mlp, all_linear) or a list of layer names;
+- `lora_targets(model, targets)`: the layers a preset or a list names in this model, resolved before injection,
+  so a run can print how many it trains;
+- `lora_state_dict` / `load_lora_state_dict`: the LoRA tensors with peft's keys, for a trainer's checkpoints.
+The files a LoRA is exported to are lora_files.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from routing import ConfigError
 
-FORMAT = "tread-zoo-lora/1"
-WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
-
 # Attention projections LoRA adapts by default; only those the model has are targeted.
 ATTENTION_PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
-
-# What to fetch for each family: the diffusers class and a public checkpoint of it (for the error message).
-PRETRAINED = {
-    "flux": ("FluxTransformer2DModel", "black-forest-labs/FLUX.1-dev"),
-    "sd3": ("SD3Transformer2DModel", "stabilityai/stable-diffusion-3.5-medium"),
-    "pixart": ("PixArtTransformer2DModel", "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS"),
-    "dit": ("DiTTransformer2DModel", "facebook/DiT-XL-2-256"),
+# The feed-forward layers of each family's blocks. A Flux single-stream block has no `ff`: its `proj_mlp` is the
+# MLP's input and its `proj_out` the shared output of attention and MLP (so it is only matched inside the blocks,
+# never the model's final `proj_out`).
+FEED_FORWARD = ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out")
+# The block stacks the adapters route (Flux: both); LoRA presets and lists only match layers inside them.
+BLOCK_STACKS = ("transformer_blocks.", "single_transformer_blocks.")
+TARGET_PRESETS = {
+    "attention": "the attention projections (q, k, v, out; and the text stream's in joint attention)",
+    "attention_mlp": "attention projections and the feed-forward layers of every block",
+    "all_linear": "every linear layer of the blocks (adaLN modulation included)",
 }
-
-
-def model_class(family: str):
-    if family not in PRETRAINED:
-        raise ConfigError(f"pretrained family '{family}' is unknown; choose one of {sorted(PRETRAINED)}.")
-    import diffusers
-
-    return getattr(diffusers, PRETRAINED[family][0])
-
-
-def pretrained_folder(family: str, path: str | os.PathLike, what: str = "pretrained path") -> Path:
-    """The folder holding the family's diffusers transformer: `path` itself or its transformer/ (a pipeline folder).
-
-    Reads only config.json, so a config check can refuse a missing model before any work starts.
-    """
-    if family not in PRETRAINED:
-        raise ConfigError(f"pretrained family '{family}' is unknown; choose one of {sorted(PRETRAINED)}.")
-    name, repo = PRETRAINED[family]
-    root = Path(path).expanduser()
-    folder = next((d for d in (root, root / "transformer") if (d / "config.json").is_file()), None)
-    if folder is None:
-        raise ConfigError(
-            f"{what} '{root}' holds no diffusers {name} (config.json there or in transformer/); "
-            f"fetch one first, e.g. `huggingface-cli download {repo} --include 'transformer/*' --local-dir {root}`."
-        )
-    found = json.loads((folder / "config.json").read_text()).get("_class_name")
-    if found not in (None, name):
-        raise ConfigError(f"{what} '{folder}' holds a {found}, not the {name} that family '{family}' needs.")
-    return folder
-
-
-def load_pretrained(family: str, path: str | os.PathLike, torch_dtype: torch.dtype | None = None) -> nn.Module:
-    """The family's diffusers transformer from `path` (its folder, or a pipeline folder with transformer/)."""
-    folder = pretrained_folder(family, path)
-    return model_class(family).from_pretrained(folder, torch_dtype=torch_dtype, local_files_only=True)
 
 
 @dataclass(frozen=True)
@@ -82,18 +42,52 @@ class LoraSpec:
 
 
 def present_targets(model: nn.Module, targets) -> list[str]:
+    """The names of `targets` some module of `model` has, as itself or as the end of its path (peft's matching)."""
     names = [name for name, _ in model.named_modules()]
     return [t for t in targets if any(n == t or n.endswith("." + t) for n in names)]
 
 
+def block_linears(model: nn.Module) -> list[str]:
+    """Full paths of the nn.Linear layers inside the model's block stacks, in model order."""
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith(BLOCK_STACKS) and ".lora_" not in n]
+
+
+def lora_targets(model: nn.Module, targets: str | Sequence[str] = "attention") -> tuple[str, ...]:
+    """The layers `targets` names in `model`: a preset of TARGET_PRESETS, or layer names matched inside the blocks.
+
+    `attention` keeps the short projection names peft matches anywhere (every attention lives in a block); the
+    other presets and lists resolve to full layer paths, so a name like `proj_out` cannot reach the output layer.
+    """
+    if isinstance(targets, str):
+        if targets not in TARGET_PRESETS:
+            raise ConfigError(f"finetune.lora.targets={targets!r} is unknown; choose a preset ({', '.join(TARGET_PRESETS)}) "
+                              "or a list of layer names, e.g. finetune.lora.targets=[to_q,to_k,to_v,proj_mlp].")
+        if targets == "attention":
+            return tuple(present_targets(model, ATTENTION_PROJECTIONS))
+        linears = block_linears(model)
+        if targets == "all_linear":
+            return tuple(linears)
+        return tuple(n for n in linears if n.endswith(tuple("." + s for s in ATTENTION_PROJECTIONS + FEED_FORWARD)))
+    names = [str(t) for t in targets]
+    linears = block_linears(model)
+    found = tuple(n for n in linears if any(n.endswith("." + t) for t in names))
+    unmatched = [t for t in names if not any(n.endswith("." + t) for n in linears)]
+    if unmatched or not found:
+        known = sorted({n.split(".", 2)[2] for n in linears})
+        raise ConfigError(f"finetune.lora.targets names {unmatched or names}, which match no linear layer in the blocks of this "
+                          f"{type(model).__name__}; its layers are {', '.join(known)}.")
+    return found
+
+
 def add_lora(model: nn.Module, rank: int = 16, alpha: float | None = None, dropout: float = 0.0,
-             targets=ATTENTION_PROJECTIONS) -> LoraSpec:
-    """Freeze the model and add LoRA (B = 0, so the output is unchanged) to the attention projections present."""
+             targets: str | Sequence[str] = ATTENTION_PROJECTIONS) -> LoraSpec:
+    """Freeze the model and add LoRA (B = 0, so the output is unchanged) to `targets`: a preset name, or layer
+    names (peft matching: a module whose path is the name or ends with it)."""
     from peft import LoraConfig, inject_adapter_in_model
 
     if rank < 1:
         raise ConfigError(f"lora.rank={rank} must be a positive integer.")
-    found = present_targets(model, targets)
+    found = list(lora_targets(model, targets)) if isinstance(targets, str) else present_targets(model, targets)
     if not found:
         raise ConfigError(f"lora.targets={list(targets)} match no module of this {type(model).__name__}.")
     spec = LoraSpec(rank, alpha, dropout, tuple(found))
@@ -112,6 +106,11 @@ def add_lora(model: nn.Module, rank: int = 16, alpha: float | None = None, dropo
 
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for name, p in model.named_parameters() if ".lora_" in name]
+
+
+def lora_layers(model: nn.Module) -> int:
+    """How many layers carry a LoRA (each trains two tensors, A and B)."""
+    return sum(1 for name, _ in model.named_parameters() if name.endswith(".lora_A.default.weight"))
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -134,70 +133,3 @@ def load_lora_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor]) -> 
     result = set_peft_model_state_dict(model, tensors)
     if getattr(result, "unexpected_keys", None):
         raise ConfigError(f"peft did not place LoRA tensors {result.unexpected_keys[:3]}.")
-
-
-def model_config(model: nn.Module) -> dict:
-    """The diffusers config that fixes the model's shape, as plain JSON values."""
-    # Private diffusers keys (_class_name, _diffusers_version, _name_or_path, ...) describe provenance, not shape.
-    config = {k: v for k, v in dict(model.config).items() if not k.startswith("_")}
-    return json.loads(json.dumps(config, default=list))
-
-
-def save_lora(model: nn.Module, folder: str | os.PathLike) -> Path:
-    """Write the adapter only: adapter_model.safetensors + adapter_config.json, each atomically."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors, spec = lora_state_dict(model), model._tread_lora
-    meta = {
-        "format": FORMAT,
-        "lora": {**asdict(spec), "targets": list(spec.targets)},
-        "model": {"class": type(model).__name__, "config": model_config(model)},
-    }
-    # diffusers' `model.load_lora_adapter(folder, prefix=None, weight_name=WEIGHTS)` reads the LoRA settings
-    # (alpha above all, which the tensors do not reveal) from this metadata entry.
-    peft = {"r": spec.rank, "lora_alpha": spec.alpha if spec.alpha is not None else spec.rank,
-            "lora_dropout": spec.dropout, "target_modules": list(spec.targets)}
-    metadata = {"format": FORMAT, "lora_adapter_metadata": json.dumps(peft)}
-    _atomic(folder / WEIGHTS, lambda tmp: save_file(tensors, tmp, metadata=metadata))
-    _atomic(folder / CONFIG, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2) + "\n"))
-    return folder
-
-
-def read_lora_config(folder: str | os.PathLike) -> dict:
-    folder = Path(folder)
-    if not (folder / CONFIG).is_file() or not (folder / WEIGHTS).is_file():
-        raise ConfigError(f"'{folder}' is not a LoRA adapter folder (it needs {CONFIG} and {WEIGHTS}, as save_lora writes).")
-    meta = json.loads((folder / CONFIG).read_text())
-    if meta.get("format") != FORMAT:
-        raise ConfigError(f"'{folder / CONFIG}' has format {meta.get('format')!r}, expected {FORMAT!r}.")
-    return meta
-
-
-def load_lora(model: nn.Module, folder: str | os.PathLike) -> LoraSpec:
-    """Add (if needed) and fill the LoRA of `folder` on `model`, which must be the class and config it was trained on."""
-    meta = read_lora_config(folder)
-    cls, config = meta["model"]["class"], meta["model"]["config"]
-    if cls != type(model).__name__:
-        raise ConfigError(f"the LoRA in '{folder}' was trained on a {cls}, not a {type(model).__name__}.")
-    differ = sorted(k for k in set(config) | set(model_config(model)) if config.get(k) != model_config(model).get(k))
-    if differ:
-        raise ConfigError(f"the LoRA in '{folder}' was trained on a {cls} whose config differs in {differ}; load that model.")
-    lora = meta["lora"]
-    spec = LoraSpec(lora["rank"], lora["alpha"], lora["dropout"], tuple(lora["targets"]))
-    if not hasattr(model, "_tread_lora"):
-        add_lora(model, spec.rank, spec.alpha, spec.dropout, spec.targets)
-    elif model._tread_lora != spec:
-        raise ConfigError(f"the model already has LoRA {model._tread_lora}, but '{folder}' holds {spec}.")
-    load_lora_state_dict(model, load_file(Path(folder) / WEIGHTS))
-    return spec
-
-
-def _atomic(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)

@@ -36,14 +36,20 @@ class PromptConditioned(nn.Module):
     """f(x, t, class_labels) for a text-conditioned adapter, through a table of per-class text conditioning.
 
     `table`: tensor name -> (K + 1, ...) tensor, the names of TABLE_KEYS[family]; row K is the empty prompt.
+    `on_device=False` keeps the table in host memory and moves only a batch's rows (a table of many captions).
     """
 
-    def __init__(self, adapter: RoutedTransformer, table: Mapping[str, torch.Tensor]):
+    def __init__(self, adapter: RoutedTransformer, table: Mapping[str, torch.Tensor], on_device: bool = True):
         super().__init__()
-        family = adapter.family
-        if family not in TABLE_KEYS:
-            raise ConfigError(f"the {family} adapter takes class labels itself; drop its prompt table.")
-        wanted, config = TABLE_KEYS[family], adapter.model.config
+        if adapter.family not in TABLE_KEYS:
+            raise ConfigError(f"the {adapter.family} adapter takes class labels itself; drop its prompt table.")
+        self.adapter, self.names, self.on_device = adapter, tuple(TABLE_KEYS[adapter.family]), on_device
+        self.use_table(table)
+
+    def use_table(self, table: Mapping[str, torch.Tensor]) -> None:
+        """Condition on `table` from now on (checked against the model); `train.sample --prompt` swaps in its prompts."""
+        family, config = self.adapter.family, self.adapter.model.config
+        wanted = TABLE_KEYS[family]
         missing = sorted(set(wanted) - set(table))
         if missing:
             raise ConfigError(f"the prompt table lacks {missing}, which {family} needs; write it with "
@@ -56,16 +62,24 @@ class PromptConditioned(nn.Module):
                                   "write the table again with python -m train.encode_prompts.")
             if width is not None and tensor.shape[-1] != config[width]:
                 raise ConfigError(
-                    f"the prompt table's {name} is {tensor.shape[-1]} wide, but this {adapter.model_class}'s {width} is "
+                    f"the prompt table's {name} is {tensor.shape[-1]} wide, but this {self.adapter.model_class}'s {width} is "
                     f"{config[width]}; encode the prompts with this model's own pipeline (python -m train.encode_prompts)."
                 )
-            self.register_buffer(name, tensor, persistent=False)
-        self.adapter, self.names = adapter, tuple(wanted)
+        for name in wanted:
+            if self.on_device:
+                device = getattr(self, name).device if name in self._buffers else None
+                self.register_buffer(name, table[name] if device is None else table[name].to(device), persistent=False)
+            else:
+                setattr(self, name, table[name])  # a plain attribute: .to(device) leaves it where it is
         self.num_classes = rows - 1  # row K is the empty prompt
 
     @property
     def router(self):
         return self.adapter.router
+
+    @property
+    def patch(self) -> int:
+        return self.adapter.patch
 
     @property
     def depth(self) -> int:
@@ -84,7 +98,8 @@ class PromptConditioned(nn.Module):
             class_labels = torch.full((x.shape[0],), self.num_classes, dtype=torch.long, device=x.device)
         cond = {}
         for name in self.names:
-            rows = getattr(self, name)[class_labels]  # (K + 1, ...)[(B,)] -> (B, ...)
+            table = getattr(self, name)
+            rows = table[class_labels.to(table.device)].to(x.device)  # (K + 1, ...)[(B,)] -> (B, ...)
             # A table stored in bf16 follows the inputs' dtype; the attention mask stays as it is.
             cond[name] = rows.to(x.dtype) if rows.is_floating_point() else rows
         model = self.adapter.model

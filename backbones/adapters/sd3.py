@@ -11,7 +11,7 @@ Timestep: the model embeds timesteps on the scheduler's scale, sigma * 1000, so 
 
 from __future__ import annotations
 
-from backbones.adapters.common import RoutedTransformer, Step, Stream, run_block, split_cond, unpatchify
+from backbones.adapters.common import RoutedTransformer, Step, Stream, refuse_ip_adapter, run_block, split_cond, unpatchify
 
 
 class SD3Adapter(RoutedTransformer):
@@ -32,6 +32,7 @@ class SD3Adapter(RoutedTransformer):
     def embed(self, x, t, cond):
         m = self.model
         p = self.patch
+        refuse_ip_adapter(cond.get("joint_attention_kwargs"), "joint_attention_kwargs")
         tokens = m.pos_embed(x).contiguous()  # (B, N, D), absolute positions already added
         temb = m.time_text_embed(t * 1000, cond["pooled_projections"])
         text = m.context_embedder(cond["encoder_hidden_states"])  # (B, L, D)
@@ -44,6 +45,7 @@ class SD3Adapter(RoutedTransformer):
 
     def reference(self, x, t, cond=None, **kwargs):
         cond, _ = split_cond(cond, kwargs)
+        refuse_ip_adapter(cond.get("joint_attention_kwargs"), "joint_attention_kwargs")
         t = t.reshape(-1).expand(x.shape[0])
         return self.model(
             x, encoder_hidden_states=cond["encoder_hidden_states"], pooled_projections=cond["pooled_projections"],

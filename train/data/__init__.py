@@ -1,4 +1,5 @@
-"""Data: the dataset registry, embedded datasets, Fashion-MNIST, latent datasets, image files, and latent caching.
+"""Data: the dataset registry, embedded datasets, Fashion-MNIST, latent datasets, captioned folders with aspect-ratio
+buckets, image files, and latent caching.
 
 Every dataset offers num_classes, shape (C, H, W), __len__,
 get(indices, generator) -> (x in model space, labels) and to_images(x) -> [0, 1] images for grids."""
@@ -28,4 +29,8 @@ def build_dataset(cfg_data: DictConfig, sigma_data: float):
         from train.data.latents import build
 
         return build(cfg_data, sigma_data)
-    raise ConfigError(f"data.name='{name}' is unknown; choose data=digits, data=shapes, data=fashion_mnist or data=latents.")
+    if name == "captions":
+        from train.data.captioned import CaptionsDataset
+
+        return CaptionsDataset(cfg_data)
+    raise ConfigError(f"data.name='{name}' is unknown; choose data=digits, data=shapes, data=fashion_mnist, data=latents or data=captions.")

@@ -147,3 +147,29 @@ def encode_table(family: str, folder: str | os.PathLike, prompts: list[str], *, 
     parts = [encode_batch(pipe, family, texts[i : i + batch_size], device, max_sequence_length) for i in range(0, len(texts), batch_size)]
     tensors = {name: torch.cat([p[name] for p in parts]).cpu() for name in parts[0]}
     return PromptTable(family, tensors, texts, str(folder))
+
+
+def text_pipeline_of(cfg) -> Path:
+    """The pipeline folder whose text encoders conditioned a fine-tuning run, for encoding new prompts to sample.
+
+    Captioned data: data.pipeline or finetune.pretrained. A prompt table: the pipeline it was encoded with (its
+    `source`), else finetune.pretrained when that is a pipeline folder. A random stand-in has no text encoder.
+    """
+    f = cfg.get("finetune") or {}
+    if f.get("family") not in TABLE_KEYS:
+        raise ConfigError("--prompt is for runs that fine-tuned a text-conditioned model (flux, sd3, pixart); this run takes "
+                          "class labels: sample them with --classes.")
+    candidates = []
+    if cfg.data.name == "captions":
+        candidates.append(cfg.data.get("pipeline") or f["pretrained"])
+    else:
+        table = read_table(f["prompts"], f["family"])
+        if not table.stand_in:
+            candidates.append(table.source)
+        candidates.append(f["pretrained"])
+    for folder in candidates:
+        if (Path(str(folder)).expanduser() / "model_index.json").is_file():
+            return Path(str(folder)).expanduser()
+    raise ConfigError(f"--prompt needs the text encoders this run was conditioned with, but its prompt table '{f['prompts']}' is a "
+                      f"random stand-in and finetune.pretrained='{f['pretrained']}' is not a pipeline folder; sample its classes instead "
+                      "(--classes).")

@@ -25,6 +25,7 @@ from train.schema.data import DATA
 from train.schema.finetune import FAMILIES, TEXT_FAMILIES
 from train.schema.keys import APPLY, REFUSE, describe_range, in_range
 from train.schema.objective import OBJECTIVES
+from train.schema.trainer import TRACKERS, tracker_list
 
 # Keys whose value is the run itself, not a setting: never compared on resume.
 RUN_KEYS = ("run_dir", "resume", "overwrite")
@@ -235,11 +236,16 @@ def _check_ranges(cfg: Any, cls: type, prefix: str) -> None:
 
 def check_config(cfg: Any) -> None:
     """Refuse a config with a wrong type, unknown key, value out of range or unfit backbone kwargs (ConfigError)."""
-    typed = _typed(cfg)
+    try:
+        typed = _typed(cfg)
+    except ConfigError:
+        _check_finetune_objective(cfg)  # the cause, when a preset's flow keys are what the objective refused
+        raise
     _check_ranges(typed, Config, "")
     for section, options in OPTION_SCHEMAS.items():
         if typed[section] is not None:
             _check_ranges(typed[section], options[typed[section].name], f"{section}.")
+    _check_trackers(typed.trainer.log_with)
     _check_resume(typed.resume)
     _check_backbone(typed.backbone)
     _check_routing(typed.routing)
@@ -269,6 +275,21 @@ def check_overrides(overrides: list[str]) -> None:
             raise wrong_type(override.key_or_group, override.value())
 
 
+def _check_trackers(value: Any) -> None:
+    import importlib.util
+
+    names = list(value) if isinstance(value, (list, ListConfig)) else value
+    if not (names is None or isinstance(names, str) or (isinstance(names, list) and all(isinstance(n, str) for n in names))):
+        raise ConfigError(f"trainer.log_with={value!r} is neither a tracker name nor a list of them (e.g. trainer.log_with=[tensorboard,wandb]).")
+    for name in tracker_list(names):
+        if name not in TRACKERS:
+            raise ConfigError(f"trainer.log_with={name!r} is unknown; choose none or one or more of {', '.join(TRACKERS)} "
+                              "(e.g. trainer.log_with=[tensorboard,wandb]).")
+        if importlib.util.find_spec(TRACKERS[name]) is None and not (name == "tensorboard" and importlib.util.find_spec("tensorboardX")):
+            raise ConfigError(f"trainer.log_with={name} needs the {TRACKERS[name]} package; `pip install {TRACKERS[name]}`, or drop it "
+                              "(trainer.log_with=none keeps metrics.jsonl only).")
+
+
 def _check_resume(resume: Any) -> None:
     if resume is None or isinstance(resume, bool) or str(resume) in ("auto", "latest", "true", "false"):
         return
@@ -276,16 +297,28 @@ def _check_resume(resume: Any) -> None:
         raise ConfigError(f"resume={resume!r} is not understood; use resume=auto, resume=true or a checkpoint folder (e.g. resume=runs/X/checkpoints/step_0000100).")
 
 
+def _check_finetune_objective(cfg: Any) -> None:
+    """Fine-tuning trains with flow. A preset's flow settings (objective.shift) are not keys of another objective, so
+    `objective=edm` with a preset fails the objective's schema first; this names the cause instead."""
+    plain = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=False)
+    family = (plain.get("finetune") or {}).get("family") if isinstance(plain.get("finetune"), dict) else None
+    objective = plain.get("objective")
+    name = objective.get("name", "edm") if isinstance(objective, dict) else "edm"
+    if family is not None and name != "flow":
+        raise ConfigError(f"fine-tuning trains with rectified flow, but objective={name}; add objective=flow.")
+
+
 def _check_finetune(cfg: DictConfig) -> None:
     """What fine-tuning needs: a local pretrained folder, rectified flow, a prompt table for the text families."""
     f = cfg.finetune
+    captions = cfg.data is not None and cfg.data.get("name") == "captions"  # its own checks: train/data/captions.py
     if f.family is None:
         stray = [k for k in ("pretrained", "prompts") if f[k] is not None]
         if stray:
             raise ConfigError(f"finetune.{stray[0]} is set but finetune.family is null; set finetune.family={'|'.join(FAMILIES)} "
                               f"(or +experiment=finetune_flux), or drop finetune.{stray[0]}.")
         return
-    from backbones.adapters import pretrained_folder  # torch and the adapters load only for a fine-tuning config
+    from backbones.adapters import TARGET_PRESETS, pretrained_folder  # torch and the adapters load only for a fine-tuning config
 
     name = f"finetune.family={f.family}"
     if f.pretrained is None:
@@ -296,12 +329,22 @@ def _check_finetune(cfg: DictConfig) -> None:
     if objective != "flow":
         raise ConfigError(f"fine-tuning trains with rectified flow, but objective={objective}; add objective=flow.")
     encode = f"python -m train.encode_prompts --family {f.family} --pipeline DIR --prompts ... --out FILE"
-    if f.family in TEXT_FAMILIES and f.prompts is None:
+    if captions and f.prompts is not None:
+        raise ConfigError("data=captions conditions each image on its own caption, encoded into the data's cache; drop finetune.prompts.")
+    if f.family in TEXT_FAMILIES and f.prompts is None and not captions:
         raise ConfigError(f"{name} conditions on text; give finetune.prompts=<prompt table, one prompt per class> (write one with `{encode}`).")
     if f.family not in TEXT_FAMILIES and f.prompts is not None:
         raise ConfigError(f"{name} takes class labels itself; drop finetune.prompts.")
     if f.prompts is not None and not Path(str(f.prompts)).expanduser().is_file():
         raise ConfigError(f"finetune.prompts={f.prompts!r} does not exist; write the prompt table with `{encode}`.")
+    targets = f.lora.targets
+    listed = isinstance(targets, (list, ListConfig))
+    if not (targets in TARGET_PRESETS if isinstance(targets, str) else listed and len(targets) and all(isinstance(t, str) and t for t in targets)):
+        raise ConfigError(f"finetune.lora.targets={targets!r} is neither a preset ({', '.join(TARGET_PRESETS)}) nor a list of layer "
+                          "names; e.g. finetune.lora.targets=attention_mlp or finetune.lora.targets=[to_q,to_k,to_v,proj_mlp].")
+    if f.guidance != 1.0 and f.family != "flux":
+        raise ConfigError(f"finetune.guidance={f.guidance:g} is Flux's distilled guidance, but {name} has none; drop finetune.guidance "
+                          "(use sample.guidance for classifier-free guidance).")
     if f.train == "full" and f.dtype != "fp32":
         raise ConfigError(f"finetune.train=full trains every weight, which stays fp32; set finetune.dtype=fp32 "
                           "(trainer.mixed_precision=bf16 still computes in bf16).")

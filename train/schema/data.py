@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 from train.schema.keys import key
 
@@ -46,4 +46,23 @@ class LatentsData:
     vae: Optional[str] = key(None, "VAE for decoding sample grids (null: the one in meta.json)", example="/weights/sd-vae-ft-ema")
 
 
-DATA = {"digits": DigitsData, "shapes": ShapesData, "fashion_mnist": FashionMNISTData, "latents": LatentsData}
+@dataclass
+class CaptionsData:
+    """Captioned images (name.png + name.txt, sub-folders allowed), bucketed by aspect ratio, for fine-tuning text-to-image models."""
+
+    name: str = key("captions", "dataset", example="captions")
+    path: Optional[str] = key(None, "folder of images with a .txt caption beside each (required)", example="/data/my-set")
+    resolution: int = key(256, "bucket area in pixels: about resolution x resolution per image", ge=8, le=8192, example=1024)
+    alignment: int = key(64, "bucket sides are multiples of this (a multiple of the VAE factor x the model's patch)", ge=1,
+                         le=1024, example=64)
+    aspect_ratios: List[float] = key([1.0, 1.333, 0.75, 1.5, 0.667, 1.778, 0.5625], "bucket aspect ratios (width / height); each "
+                                     "image goes to the nearest", gt=0, le=16, example="[1.0,1.5,0.667]")
+    pipeline: Optional[str] = key(None, "diffusers pipeline folder whose text encoders (and vae/) encode the data (null: finetune.pretrained)",
+                                  example="weights/FLUX.1-dev")
+    vae: Optional[str] = key(None, "VAE folder (null: the pipeline's vae/), or pixels to train on the images themselves", example="pixels")
+    channels: int = key(3, "image channels with vae=pixels: 3 (RGB) or 1 (grey)", ge=1, le=3, example=1)
+    max_sequence_length: Optional[int] = key(None, "text tokens per caption (null: the pipeline's)", ge=1, le=4096, example=77)
+    cache: Optional[str] = key(None, "cache folder of the encoded captions and latents (null: <path>/.tread_cache)", example="/cache/my-set")
+
+
+DATA = {"digits": DigitsData, "shapes": ShapesData, "fashion_mnist": FashionMNISTData, "latents": LatentsData, "captions": CaptionsData}

@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from train.schema.keys import REFUSE, group, key
 
 FAMILIES = ("flux", "sd3", "pixart", "dit")
 TEXT_FAMILIES = ("flux", "sd3", "pixart")  # conditioned through a prompt table; DiT takes class labels
+SHIFTS = ("none", "fixed", "resolution")
 
 
 @dataclass
 class LoraConfig:
-    rank: int = key(16, "LoRA rank r on the attention projections", ge=1, le=4096, example=16, on_resume=REFUSE)
+    rank: int = key(16, "LoRA rank r", ge=1, le=4096, example=16, on_resume=REFUSE)
     alpha: Optional[float] = key(None, "LoRA alpha; the update is scaled by alpha / rank (null: alpha = rank)", gt=0, le=65536,
                                  example=16, on_resume=REFUSE)
     dropout: float = key(0.0, "dropout on the LoRA branch's input", ge=0, lt=1, example=0.1)
+    # A preset name or a list of layer names (matched inside the blocks); checked against the adapters' presets.
+    targets: Any = key("attention", "layers with LoRA: attention | attention_mlp | all_linear, or a list of layer names "
+                       "inside the blocks, e.g. [to_q,to_k,to_v,proj_mlp]", example="attention_mlp", on_resume=REFUSE)
 
 
 @dataclass
@@ -34,4 +38,10 @@ class FinetuneConfig:
     dtype: str = key("fp32", "dtype of the frozen base weights (bf16 needs trainer.mixed_precision=bf16); trained weights stay fp32",
                      choices=("fp32", "bf16"), example="bf16")
     gradient_checkpointing: bool = key(False, "recompute each block's activations in the backward pass (less memory, more time)")
-    lora: LoraConfig = group(LoraConfig, "LoRA on the attention projections (finetune.train=lora)")
+    guidance: float = key(1.0, "Flux's distilled guidance given to a guidance-embedding model in training (FLUX.1-dev); "
+                          "train.sample --flux-guidance sets it for sampling", ge=0, le=100, example=1.0)
+    train_shift: str = key("none", "time shift of the training draws: none | fixed (objective.shift, SD3's) | resolution "
+                           "(Flux's, from the image tokens)", choices=SHIFTS, example="resolution", on_resume=REFUSE)
+    sample_shift: str = key("fixed", "time shift of the sampling grid: fixed (objective.shift) | resolution (Flux's)",
+                            choices=SHIFTS[1:], example="resolution")
+    lora: LoraConfig = group(LoraConfig, "LoRA settings (finetune.train=lora)")

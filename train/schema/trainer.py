@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from train.schema.keys import key
+
+
+# accelerate's trackers (accelerate.utils.LoggerType) and the package each needs.
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "comet_ml": "comet_ml", "mlflow": "mlflow",
+            "clearml": "clearml", "dvclive": "dvclive", "swanlab": "swanlab"}
+
+
+def tracker_list(value: Any) -> list[str]:
+    """trainer.log_with as a list of tracker names: none -> [], a name -> [it], a list as it is."""
+    if value is None or value == "none":
+        return []
+    return [value] if isinstance(value, str) else [str(v) for v in value]
 
 
 @dataclass
@@ -25,6 +37,10 @@ class TrainerConfig:
     cpu: bool = key(False, "force the CPU even when a GPU is visible")
     compile: bool = key(False, "torch.compile the network")
     log_every: int = key(10, "steps between metrics.jsonl lines", ge=1, example=100)
+    # A name or a list (trainer.log_with=[tensorboard,wandb]); metrics.jsonl is written whatever this says.
+    log_with: Any = key("tensorboard", "experiment trackers through accelerate: none | tensorboard | wandb | mlflow | comet_ml | "
+                        "clearml | dvclive | swanlab | trackio, or a list; offline where the tracker has a mode (wandb)",
+                        example="[tensorboard,wandb]")
     sample_every: int = key(500, "steps between preview grids (0: off)", ge=0, example=1000)
     ckpt_every: int = key(500, "steps between checkpoints, plus one at the end (0: no checkpoints)", ge=0, example=1000)
     keep_checkpoints: int = key(2, "checkpoints kept in run_dir/checkpoints (the newest; the one `latest` names is never deleted)", ge=1, example=3)

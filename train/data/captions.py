@@ -1,0 +1,91 @@
+"""Captioned image folders (`data=captions`): `name.png` beside `name.txt`, as SimpleTuner and kohya lay them out.
+
+`list_captioned(folder)` finds every image under the folder (sub-folders included) with its caption and size,
+and refuses, in one sentence naming the file and the fix, a folder without images, an image without a caption
+file or with an empty one, and an image PIL cannot open. The captions are encoded and the images turned into
+latents once, into a cache (caption_cache.py); `CaptionsDataset` trains from that cache.
+
+Conditioning reuses the class-prompt path: each distinct caption is a row of a prompt table (row K is the empty
+caption), and an image's "label" is its caption's row. So caption dropout for classifier-free guidance is the
+trainer's label dropout (edm.label_dropout), which replaces a caption with the empty one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image
+
+from routing.errors import ConfigError
+from train.data.images import IMAGE_EXTENSIONS, image_files
+
+# What PIL raises for truncated, corrupt or hostile files.
+UNREADABLE = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+
+
+@dataclass(frozen=True)
+class Captioned:
+    file: str  # path relative to the folder, posix
+    caption: str
+    size: tuple[int, int]  # (width, height) in pixels
+    stamp: tuple[int, int]  # (bytes, mtime in ns): a changed image invalidates its latents
+
+
+def read_caption(image: Path) -> str:
+    text_file = image.with_suffix(".txt")
+    if not text_file.is_file():
+        raise ConfigError(f"image '{image}' has no caption file; write its caption to '{text_file}' (one line of text), "
+                          "or move the image out of data.path.")
+    try:
+        caption = " ".join(text_file.read_text(encoding="utf-8").split())
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"caption file '{text_file}' is unreadable ({type(err).__name__}); save it again as UTF-8 text.") from None
+    if not caption:
+        raise ConfigError(f"caption file '{text_file}' is empty; write the image's caption into it, or move the image out of data.path.")
+    return caption
+
+
+def image_size(image: Path) -> tuple[int, int]:
+    try:
+        with Image.open(image) as opened:
+            opened.verify()  # reads the whole file's structure without decoding the pixels
+        with Image.open(image) as opened:
+            return opened.size
+    except UNREADABLE as err:
+        raise ConfigError(f"image '{image}' is unreadable ({type(err).__name__}); replace or delete it.") from None
+
+
+TEXT_FAMILIES = ("flux", "sd3", "pixart")
+
+
+def check_captions(cfg) -> list[Captioned]:
+    """Every refusal of a `data=captions` run before any work: the model it needs, then the folder (list_captioned)."""
+    from omegaconf import OmegaConf
+
+    family = (cfg.get("finetune") or {}).get("family")
+    if family not in TEXT_FAMILIES:
+        raise ConfigError(f"data=captions conditions a text-to-image model on its captions, but finetune.family={family}; fine-tune "
+                          f"one of {', '.join(TEXT_FAMILIES)} (e.g. +experiment=finetune_flux finetune.pretrained=weights/FLUX.1-dev).")
+    if OmegaConf.is_missing(cfg.data, "path") or not cfg.data.path:
+        raise ConfigError("data=captions needs data.path=<folder of images with a .txt caption beside each>.")
+    if cfg.data.channels not in (1, 3):
+        raise ConfigError(f"data.channels={cfg.data.channels} is neither 3 (RGB) nor 1 (grey); choose one of them.")
+    return list_captioned(cfg.data.path)
+
+
+def list_captioned(folder: str | Path) -> list[Captioned]:
+    """Every image under `folder` with its caption, size and file stamp, in sorted path order."""
+    root = Path(folder).expanduser()
+    if not root.is_dir():
+        raise ConfigError(f"data.path='{root}' is not a folder; point it at a folder of images with a .txt caption beside each.")
+    files = image_files(root)
+    if not files:
+        raise ConfigError(f"data.path='{root}' holds no images ({', '.join(IMAGE_EXTENSIONS)}); add images with a .txt caption "
+                          "beside each (name.png + name.txt).")
+    out = []
+    for file in files:
+        caption = read_caption(file)
+        stat = file.stat()
+        out.append(Captioned(file.relative_to(root).as_posix(), caption, image_size(file), (stat.st_size, stat.st_mtime_ns)))
+    return out
