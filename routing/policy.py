@@ -41,13 +41,13 @@ class RoutingPolicy(ABC):
 
     def num_processed(self, grid: Grid, selection_ratio: float) -> int:
         """Number of tokens a route processes: floor(N * (1 - ratio)), as TREAD counts the kept tokens."""
-        return kept(grid[0] * grid[1], selection_ratio)
+        return kept(_numel(grid), selection_ratio)
 
     def check(self, grid: Grid, selection_ratio: float) -> None:
         """Raise ConfigError if this ratio leaves nothing to process on this grid."""
         if self.num_processed(grid, selection_ratio) < 1:
             raise ConfigError(
-                f"routing policy '{self.name}' with selection_ratio={selection_ratio} on a {grid[0]}x{grid[1]} token grid "
+                f"routing policy '{self.name}' with selection_ratio={selection_ratio} on a {'x'.join(map(str, grid))} token grid "
                 "leaves no token to process; lower selection_ratio."
             )
 
@@ -102,7 +102,7 @@ class NoRouting(RoutingPolicy):
     name, yields_grid = "none", True
 
     def num_processed(self, grid: Grid, selection_ratio: float) -> int:
-        return grid[0] * grid[1]
+        return _numel(grid)
 
     def select(self, x, grid, selection_ratio, generator, force_keep=None):
         b, n, _ = x.shape
@@ -125,10 +125,12 @@ class RandomRouting(RoutingPolicy):
 
 
 class RowRouting(RoutingPolicy):
-    """A random subset of whole rows per sample.
+    """A random subset of whole rows per sample; on a (t, h, w) video grid, the same number of rows in every frame.
 
-    Kept rows stay complete and in order, so the subset is an (h_keep, w) grid in which a row scan or a
-    token shift still sees true left/right neighbours; this is what scan-order models (RWKV, Mamba) need.
+    Kept rows stay complete and in order, so the subset is an (h_keep, w) grid, or (t, h_keep, w), in which a
+    row scan or a token shift still sees true left/right neighbours; this is what scan-order models (RWKV,
+    Mamba) need. Every frame keeps h_keep rows of its own choice, so frames stay in order and equally covered;
+    a single frame (t = 1) draws exactly the rows the (h, w) image grid would.
 
     With a force-keep mask every row holding a forced token is kept and the ratio applies to the other rows,
     so a mask that touches many rows (a tall object) keeps most of the image: prefer `random` for masked loss.
@@ -137,26 +139,27 @@ class RowRouting(RoutingPolicy):
     name, yields_grid = "rows", True
 
     def rows_processed(self, grid: Grid, selection_ratio: float) -> int:
-        return kept(grid[0], selection_ratio)
+        return kept(grid[-2], selection_ratio)
 
     def num_processed(self, grid: Grid, selection_ratio: float) -> int:
-        return self.rows_processed(grid, selection_ratio) * grid[1]
+        return _numel(grid[:-2]) * self.rows_processed(grid, selection_ratio) * grid[-1]
 
     def select(self, x, grid, selection_ratio, generator, force_keep=None):
-        h, w = grid
-        b = x.shape[0]
-        scores = uniform_scores(b, h, generator, x.device)  # (B, h)
+        *frames, h, w = grid
+        f, b = _numel(frames), x.shape[0]
+        scores = uniform_scores(b, f * h, generator, x.device).reshape(b * f, h)  # (B, f * h) -> (B * f, h)
         if force_keep is None:
             h_keep = self.rows_processed(grid, selection_ratio)
         else:
-            check_force_keep(force_keep, h * w)
-            forced_rows = force_keep.reshape(b, h, w).any(-1)  # (B, h * w) -> (B, h)
+            check_force_keep(force_keep, f * h * w)
+            forced_rows = force_keep.reshape(b * f, h, w).any(-1)  # (B, f * h * w) -> (B * f, h)
             h_keep = forced_size(forced_rows, h, selection_ratio)
             scores = scores.masked_fill(forced_rows, 2.0)
-        rows = random_subset(scores, h_keep)  # (B, h_keep)
+        rows = random_subset(scores, h_keep).reshape(b, f, h_keep)  # (B * f, h_keep) -> (B, f, h_keep)
+        rows = rows + torch.arange(f, device=x.device)[None, :, None] * h  # row index within the whole sequence
         cols = torch.arange(w, device=x.device)
-        indices = (rows[:, :, None] * w + cols).reshape(b, h_keep * w)  # (B, h_keep, w) -> (B, h_keep * w)
-        return Selection(indices, (h_keep, w))
+        indices = (rows[..., None] * w + cols).reshape(b, f * h_keep * w)  # (B, f, h_keep, w) -> (B, f * h_keep * w)
+        return Selection(indices, (*frames, h_keep, w))
 
 
 class L1NormRouting(RoutingPolicy):
@@ -215,8 +218,10 @@ class StructuredRouting(RoutingPolicy):
 
     g and s follow from the route's selection_ratio = 1 - s / g^d: the smallest g whose groups tile the grid
     and hold a whole number s of kept tokens. That reproduces SPRINT's four settings on images (0.75: g 2, s 1;
-    0.5: g 2, s 2; 0.625: g 4, s 6; 0.875: g 4, s 2) and its video one (0.75: 2 x 2 x 2, s 2). `group` and
-    `keep` fix g and s instead; the route's ratio must then be the one they give.
+    0.5: g 2, s 2; 0.625: g 4, s 6; 0.875: g 4, s 2) and its video one (0.75: 2 x 2 x 2, s 2). A video whose
+    frame count no such g divides (an odd count of latent frames, or a single frame) is grouped 1 x g x g, frame
+    by frame as an image is (0.75: g 2, s 1). `group` and `keep` fix g and s instead; the route's ratio must
+    then be the one they give.
 
     Force-keep masks: forced tokens take their group's slots first. Where a group holds more forced tokens
     than s, the route keeps them all, every sample keeps as many tokens as the batch's largest count (random
@@ -236,6 +241,11 @@ class StructuredRouting(RoutingPolicy):
 
     def layout(self, grid: Grid, selection_ratio: float) -> tuple[int, int]:
         """(g, s) for this grid and ratio; ConfigError, naming the key, when the grid cannot give that ratio."""
+        extents, s = self.groups(grid, selection_ratio)
+        return extents[-1], s
+
+    def groups(self, grid: Grid, selection_ratio: float) -> tuple[tuple[int, ...], int]:
+        """(the group's extent along each side of the grid, s): g x g, g x g x g, or 1 x g x g on video (below)."""
         d, shape = len(grid), "x".join(map(str, grid))
         if self.group is not None:
             g, s = self.group, self.keep
@@ -244,44 +254,47 @@ class StructuredRouting(RoutingPolicy):
                                   f"choose keep <= {g**d}.")
             if any(n % g for n in grid):
                 raise ConfigError(f"routing.policy_kwargs.group={g} does not divide the {shape} token grid; choose a group size "
-                                  "that divides every side.")
+                                  "that divides every side (on video: a frame count the group size divides).")
             if abs(1 - s / g**d - selection_ratio) > 1e-9:
                 raise ConfigError(f"routing.policy_kwargs group={g}, keep={s} bypass {1 - s / g**d:g} of the tokens, but the route "
                                   f"asks selection_ratio={selection_ratio}; make them agree, or drop group and keep to derive them from the ratio.")
-            return g, s
-        for g in range(1, min(grid) + 1):
-            s = (1 - selection_ratio) * g**d
-            if all(n % g == 0 for n in grid) and abs(s - round(s)) < 1e-6 and round(s) >= 1:
-                return g, round(s)
-        raise ConfigError(f"structured selection cannot bypass selection_ratio={selection_ratio} of a {shape} token grid: no group "
-                          "size g that divides the grid keeps a whole number of tokens per group; use a ratio such as 0.5 or 0.75, "
-                          "or set routing.policy_kwargs.group and keep.")
+            return (g,) * d, s
+        found = _smallest_group(grid, selection_ratio, temporal=False)
+        if found is None and d == 3:
+            # A video whose frame count the group does not divide (Wan's 4k + 1 frames often give an odd number of
+            # latent frames; a single frame, t = 1, is an image) is grouped 1 x g x g: frame by frame, as images are.
+            found = _smallest_group(grid, selection_ratio, temporal=True)
+        if found is None:
+            raise ConfigError(f"structured selection cannot bypass selection_ratio={selection_ratio} of a {shape} token grid: no group "
+                              "size g that divides the grid keeps a whole number of tokens per group; use a ratio such as 0.5 or 0.75, "
+                              "or set routing.policy_kwargs.group and keep.")
+        return found
 
     def num_processed(self, grid: Grid, selection_ratio: float) -> int:
-        g, s = self.layout(grid, selection_ratio)
-        return _numel(grid) // g ** len(grid) * s
+        extents, s = self.groups(grid, selection_ratio)
+        return _numel(grid) // _numel(extents) * s
 
     def check(self, grid: Grid, selection_ratio: float) -> None:
-        self.layout(grid, selection_ratio)
+        self.groups(grid, selection_ratio)
 
     def subset_grid(self, grid: Grid, selection_ratio: float) -> Grid:
         """The grid of the kept tokens in their order: the grid of groups, its last side times s."""
-        g, s = self.layout(grid, selection_ratio)
-        groups = [n // g for n in grid]
+        extents, s = self.groups(grid, selection_ratio)
+        groups = [n // e for n, e in zip(grid, extents)]
         return (*groups[:-1], groups[-1] * s)
 
     def select(self, x, grid, selection_ratio, generator, force_keep=None):
-        g, s = self.layout(grid, selection_ratio)
+        extents, s = self.groups(grid, selection_ratio)
         b, n, _ = x.shape
         scores = uniform_scores(b, n, generator, x.device)  # (B, N), one per token in raster order
-        members = _group_members(grid, g, x.device)  # (G, g^d): raster index of every member of every group
+        members = _group_members(grid, extents, x.device)  # (G, group size): raster index of every member of every group
         if force_keep is not None:
             check_force_keep(force_keep, n)
-            forced = force_keep[:, members]  # (B, N) -> (B, G, g^d)
+            forced = force_keep[:, members]  # (B, N) -> (B, G, group size)
             if int(forced.sum(-1).max()) > s:
                 return self._select_overfull(scores, members, forced, s)
             scores = scores.masked_fill(force_keep, 2.0)  # forced tokens win their group's slots
-        slots = scores[:, members].topk(s, dim=-1).indices.sort(dim=-1).values  # (B, N) -> (B, G, g^d) -> (B, G, s)
+        slots = scores[:, members].topk(s, dim=-1).indices.sort(dim=-1).values  # (B, N) -> (B, G, group size) -> (B, G, s)
         indices = members.expand(b, -1, -1).gather(2, slots)  # (B, G, s) raster indices, group by group
         return Selection(indices.reshape(b, -1), self.subset_grid(grid, selection_ratio))  # (B, G, s) -> (B, G * s)
 
@@ -306,13 +319,25 @@ def _numel(grid: Grid) -> int:
     return out
 
 
-def _group_members(grid: Grid, g: int, device) -> torch.Tensor:
-    """(G, g^d) raster indices of the tokens of each g x g (x g) group; groups and members in raster order."""
+def _smallest_group(grid: Grid, selection_ratio: float, temporal: bool) -> tuple[tuple[int, ...], int] | None:
+    """The smallest g whose groups tile the grid and keep a whole s = (1 - ratio) * (group size) >= 1 tokens each:
+    g x g (x g) groups, or with `temporal` 1 x g x g groups on a (t, h, w) grid; None if no g does."""
+    sides = grid[1:] if temporal else grid
+    for g in range(1, min(sides) + 1):
+        extents = ((1,) if temporal else ()) + (g,) * len(sides)
+        s = (1 - selection_ratio) * _numel(extents)
+        if all(n % g == 0 for n in sides) and abs(s - round(s)) < 1e-6 and round(s) >= 1:
+            return extents, round(s)
+    return None
+
+
+def _group_members(grid: Grid, extents: tuple[int, ...], device) -> torch.Tensor:
+    """(G, group size) raster indices of the tokens of each group; groups and members in raster order."""
     raster = torch.arange(_numel(grid), device=device).reshape(grid)
     if len(grid) == 2:
-        return rearrange(raster, "(h gh) (w gw) -> (h w) (gh gw)", gh=g, gw=g)
+        return rearrange(raster, "(h gh) (w gw) -> (h w) (gh gw)", gh=extents[0], gw=extents[1])
     if len(grid) == 3:
-        return rearrange(raster, "(t gt) (h gh) (w gw) -> (t h w) (gt gh gw)", gt=g, gh=g, gw=g)
+        return rearrange(raster, "(t gt) (h gh) (w gw) -> (t h w) (gt gh gw)", gt=extents[0], gh=extents[1], gw=extents[2])
     raise ConfigError(f"structured selection works on 2-D (h, w) and 3-D (t, h, w) token grids, not {len(grid)}-D.")
 
 
