@@ -50,8 +50,8 @@ class FlowLoss:
     """Per-element ||(eps - x) - v(z_t, t)||^2 with z_t = (1 - t) x + t eps; its mean is rf.py's loss."""
 
     def __call__(self, net, x: torch.Tensor, labels, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-        """x: clean data (B, C, H, W); t (B,); noise: standard normal like x. Returns (B, C, H, W)."""
-        t4 = t.reshape(-1, 1, 1, 1)  # (B,) -> (B, 1, 1, 1)
+        """x: clean data (B, C, H, W), or video (B, C, T, H, W); t (B,); noise: standard normal like x. Returns x's shape."""
+        t4 = t.reshape(-1, *(1,) * (x.ndim - 1))  # (B,) -> (B, 1, 1, 1), or (B, 1, 1, 1, 1) for video
         z_t = (1 - t4) * x + t4 * noise
         v = net(z_t, t, labels)
         return ((noise - x) - v) ** 2

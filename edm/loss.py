@@ -39,15 +39,15 @@ class EDMLoss:
 
 
 def reduce_loss(loss: torch.Tensor, route_masks: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """Scalar training loss from per-element loss (B, C, H, W).
+    """Scalar training loss from per-element loss (B, C, H, W), or (B, C, T, H, W) for video.
 
-    With `route_masks` (one (B, h, w) bool grid of processed tokens per route) the loss is the mean over
-    the pixels of processed tokens, averaged over routes; without, the plain mean.
+    With `route_masks` (one (B, h, w) bool grid of processed tokens per route; (B, t, h, w) for video) the loss is
+    the mean over the pixels of processed tokens, averaged over routes; without, the plain mean.
     """
     if not route_masks:
         return loss.mean()
     per_route = []
     for mask in route_masks:
-        pixels = F.interpolate(mask[:, None].float(), size=loss.shape[-2:], mode="nearest")  # (B, h, w) -> (B, 1, H, W)
+        pixels = F.interpolate(mask[:, None].float(), size=loss.shape[2:], mode="nearest")  # (B, h, w) -> (B, 1, H, W)
         per_route.append((loss * pixels).sum() / (pixels.sum() * loss.shape[1]))
     return torch.stack(per_route).mean()

@@ -8,7 +8,7 @@
     net = PromptConditioned(adapt(model), table)                    # net(x, t, class_labels) through class prompts
 
 Supported (diffusers 0.42, the version these adapters re-run the forwards of): FluxTransformer2DModel,
-SD3Transformer2DModel, PixArtTransformer2DModel, DiTTransformer2DModel.
+SD3Transformer2DModel, PixArtTransformer2DModel, DiTTransformer2DModel, WanTransformer3DModel (video).
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ from backbones.adapters.pretrained import PRETRAINED, family_of, load_pretrained
 from backbones.adapters.pixart import PixArtAdapter
 from backbones.adapters.prompts import TABLE_KEYS, PromptConditioned
 from backbones.adapters.sd3 import SD3Adapter
+from backbones.adapters.wan import WanAdapter
 from routing import ConfigError, Router, RoutingPolicy
 
-ADAPTERS: dict[str, type[RoutedTransformer]] = {a.model_class: a for a in (FluxAdapter, SD3Adapter, PixArtAdapter, DiTAdapter)}
+ADAPTERS: dict[str, type[RoutedTransformer]] = {a.model_class: a for a in (FluxAdapter, SD3Adapter, PixArtAdapter, DiTAdapter, WanAdapter)}
 FAMILIES: dict[str, type[RoutedTransformer]] = {a.family: a for a in ADAPTERS.values()}
 
 
@@ -70,7 +71,7 @@ def adapt(model: nn.Module, router: Router | None = None, *, policy: str | Routi
 __all__ = [
     "ADAPTERS", "ATTENTION_PROJECTIONS", "DIFFUSERS_TESTED", "FAMILIES", "LORA_PIPELINES", "PRETRAINED", "TABLE_KEYS",
     "TARGET_PRESETS", "DiTAdapter", "FluxAdapter", "LoraSpec", "PixArtAdapter", "PromptConditioned", "RoutedTransformer",
-    "SD3Adapter", "Stream", "adapt", "add_lora", "family_of", "keep_labels", "load_lora", "load_lora_state_dict",
+    "SD3Adapter", "Stream", "WanAdapter", "adapt", "add_lora", "family_of", "keep_labels", "load_lora", "load_lora_state_dict",
     "load_pretrained", "lora_layers", "lora_parameters", "lora_state_dict", "lora_targets", "model_config",
     "pretrained_folder", "resolution_shift", "save_lora", "token_mask",
 ]

@@ -18,6 +18,7 @@ the call shape of `edm.FlowLoss`. `cond` may carry `force_keep`, a mask of token
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from torch import nn
 
 from routing import ConfigError, Router, RoutingPolicy, Selection, build_policy, resolve_routes
 
-Grid = tuple[int, int]
+Grid = tuple[int, ...]  # (h, w) image tokens; (t, h, w) video tokens (Wan)
 
 # The diffusers release these adapters mirror: they re-run each model's forward around the block loop.
 DIFFUSERS_TESTED = "0.42"
@@ -145,21 +146,28 @@ def unpatchify(x: torch.Tensor, grid: Grid, p: int, channels_last: bool) -> torc
     return x.reshape(b, x.shape[1], h * p, w * p)
 
 
-def token_mask(mask: torch.Tensor, grid: Grid, patch: int) -> torch.Tensor:
-    """A force-keep mask on the token grid, (B, h*w) bool.
+def token_mask(mask: torch.Tensor, grid: tuple[int, ...], patch: int | tuple[int, ...]) -> torch.Tensor:
+    """A force-keep mask on the token grid, (B, N) bool.
 
-    Accepts it per token, (B, h*w), or per latent pixel, (B, H, W) or (B, 1, H, W); a token is kept when any
-    latent pixel of its patch is marked.
+    Accepts it per token, (B, N), or per latent pixel, (B, H, W) or (B, 1, H, W), and on a video grid
+    (t, h, w) per latent voxel, (B, T, H, W) or (B, 1, T, H, W); a token is kept when any latent pixel of its
+    patch is marked. `patch` is the patch side, or one side per grid axis.
     """
-    h, w = grid
-    if mask.ndim == 4 and mask.shape[1] == 1:
+    patch = (patch,) * len(grid) if isinstance(patch, int) else tuple(patch)
+    pixels = tuple(n * p for n, p in zip(grid, patch))
+    n = math.prod(grid)
+    if mask.ndim == len(grid) + 2 and mask.shape[1] == 1:
         mask = mask[:, 0]
-    if mask.ndim == 2 and mask.shape[1] == h * w:
+    if mask.ndim == 2 and mask.shape[1] == n:
         return mask.bool()
-    if mask.ndim == 3 and tuple(mask.shape[1:]) == (h * patch, w * patch):
-        return mask.bool().reshape(-1, h, patch, w, patch).any(4).any(2).reshape(-1, h * w)  # (B, H, W) -> (B, h*w)
+    if mask.ndim == len(grid) + 1 and tuple(mask.shape[1:]) == pixels:
+        split = [v for side, p in zip(grid, patch) for v in (side, p)]
+        mask = mask.bool().reshape(-1, *split)  # (B, H, W) -> (B, h, p, w, p), or (B, t, p, h, p, w, p) on video
+        for axis in range(2 * len(grid), 0, -2):  # the patch axes, last first so the others keep their place
+            mask = mask.any(axis)
+        return mask.reshape(-1, n)  # (B, h, w) -> (B, N)
     raise ConfigError(
-        f"force_keep has shape {tuple(mask.shape)}; give (batch, {h * w}) per token or (batch, {h * patch}, {w * patch}) "
+        f"force_keep has shape {tuple(mask.shape)}; give (batch, {n}) per token or (batch, {', '.join(map(str, pixels))}) "
         "per latent pixel."
     )
 

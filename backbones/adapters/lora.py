@@ -24,8 +24,8 @@ ATTENTION_PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_
 # MLP's input and its `proj_out` the shared output of attention and MLP (so it is only matched inside the blocks,
 # never the model's final `proj_out`).
 FEED_FORWARD = ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out")
-# The block stacks the adapters route (Flux: both); LoRA presets and lists only match layers inside them.
-BLOCK_STACKS = ("transformer_blocks.", "single_transformer_blocks.")
+# The block stacks the adapters route (Flux: both; Wan: blocks); LoRA presets and lists only match layers inside them.
+BLOCK_STACKS = ("transformer_blocks.", "single_transformer_blocks.", "blocks.")
 TARGET_PRESETS = {
     "attention": "the attention projections (q, k, v, out; and the text stream's in joint attention)",
     "attention_mlp": "attention projections and the feed-forward layers of every block",
