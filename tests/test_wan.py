@@ -179,3 +179,27 @@ def test_lora_and_gradient_checkpointing_train_the_routed_video_model():
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n])
     assert lora_parameters(net.model)[0].requires_grad
+
+
+def test_the_lora_export_loads_with_wan_pipeline_load_lora_weights(tmp_path):
+    import diffusers
+
+    from backbones.adapters import load_lora, save_lora
+
+    model = build()
+    add_lora(model, rank=4, alpha=8)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B" in name:
+                p.normal_()  # B = 0 would make every adapter look alike
+    save_lora(model, tmp_path / "lora")
+    pipe = diffusers.WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=diffusers.UniPCMultistepScheduler(),
+                                 transformer=build())
+    pipe.load_lora_weights(tmp_path / "lora")
+    ours = build()
+    load_lora(ours, tmp_path / "lora")
+    x, t, cond = inputs(2)
+    expected = model(x, t * 1000, cond["encoder_hidden_states"], return_dict=False)[0]
+    assert torch.equal(pipe.transformer(x, t * 1000, cond["encoder_hidden_states"], return_dict=False)[0], expected)
+    assert torch.equal(ours(x, t * 1000, cond["encoder_hidden_states"], return_dict=False)[0], expected)
+    assert not torch.allclose(build()(x, t * 1000, cond["encoder_hidden_states"], return_dict=False)[0], expected)

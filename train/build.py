@@ -122,13 +122,8 @@ def build_finetuned(cfg: DictConfig, dataset) -> nn.Module:
     name = f"the pretrained {net.model_class} in '{f.pretrained}'"
     # Bucketed data trains on several latent shapes; every one must fit the model and the routes.
     shapes = getattr(dataset, "bucket_shapes", [dataset.shape])
-    for channels, height, width in shapes:
-        if channels != net.latent_channels or height % net.patch or width % net.patch:
-            raise ConfigError(f"data.name={cfg.data.name} gives {channels}x{height}x{width} inputs, but {name} takes "
-                              f"{net.latent_channels}-channel inputs with sides divisible by {net.patch}; fine-tune it on latents of its own VAE"
-                              f"{' (data.alignment: a multiple of the VAE factor x ' + str(net.patch) + ')' if len(shapes) > 1 else ''}.")
-    for _, height, width in shapes:
-        net.router = router_for(cfg.routing, net.depth, (height // net.patch, width // net.patch), what=name)
+    for shape in shapes:
+        net.router = router_for(cfg.routing, net.depth, token_grid(net, shape, cfg.data.name, name, len(shapes) > 1), what=name)
     if net.router.fuses:
         raise ConfigError(f"routing.routes has a SPRINT route (mode: sprint), whose fusion layer {name} does not have; "
                           "fine-tune with TREAD routes (routing=random or routing=structured).")
@@ -158,6 +153,20 @@ def build_finetuned(cfg: DictConfig, dataset) -> nn.Module:
         raise ConfigError(f"data.name={cfg.data.name} has {dataset.num_classes} classes, but finetune.prompts='{f.prompts}' holds "
                           f"{table.num_classes} class prompts; encode one prompt per class, in class order.")
     return PromptConditioned(net, table.tensors).train()
+
+
+def token_grid(net, shape: tuple[int, ...], data: str, name: str, bucketed: bool = False) -> tuple[int, ...]:
+    """The adapter's token grid for samples of `shape`, (C, H, W) or video (C, T, H, W); ConfigError, naming the data,
+    when the channels or the sides do not fit the model."""
+    channels, *sides = shape
+    patch = tuple(net.patch) if isinstance(net.patch, (tuple, list)) else (net.patch,) * 2
+    if channels != net.latent_channels or len(sides) != len(patch) or any(n % p for n, p in zip(sides, patch)):
+        kind = "video latents (frames, height, width)" if len(patch) == 3 else "inputs"
+        step = "x".join(map(str, patch)) if len(patch) == 3 else str(net.patch)
+        raise ConfigError(f"data.name={data} gives {'x'.join(map(str, shape))} inputs, but {name} takes "
+                          f"{net.latent_channels}-channel {kind} with sides divisible by {step}; fine-tune it on latents of its own VAE"
+                          f"{' (data.alignment: a multiple of the VAE factor x ' + str(net.patch) + ')' if bucketed else ''}.")
+    return tuple(n // p for n, p in zip(sides, patch))
 
 
 def build_net(cfg: DictConfig, dataset) -> nn.Module:

@@ -2,9 +2,9 @@
 
 `save_lora(model, folder)` writes, each file atomically:
 - `pytorch_lora_weights.safetensors`: the LoRA tensors with `transformer.`-prefixed peft keys and the adapter's
-  peft settings in the `lora_adapter_metadata` header entry, as diffusers' own training scripts write it. Flux and
-  SD3: written by the pipeline's `save_lora_weights`, so `FluxPipeline.load_lora_weights(folder)` (and SD3's)
-  loads it with no other argument. PixArt and DiT: the same format, though no diffusers pipeline or model of
+  peft settings in the `lora_adapter_metadata` header entry, as diffusers' own training scripts write it. Flux, SD3
+  and Wan: written by the pipeline's `save_lora_weights`, so `FluxPipeline.load_lora_weights(folder)` (and SD3's,
+  and `WanPipeline`'s) loads it with no other argument. PixArt and DiT: the same format, though no diffusers pipeline or model of
   theirs loads a LoRA (diffusers 0.42 gives them no LoRA loader), so `load_lora` is the way back;
 - `adapter_config.json`: our record, the LoRA settings and the model's class and config, which `load_lora` checks.
 
@@ -34,7 +34,7 @@ WEIGHTS_V1 = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
 PREFIX = "transformer."  # the pipeline component the LoRA belongs to, as diffusers keys it
 # The pipelines whose `load_lora_weights` reads the export; the other families have no LoRA loader in diffusers.
-LORA_PIPELINES = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline"}
+LORA_PIPELINES = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline", "wan": "WanPipeline"}
 
 
 def adapter_metadata(model: nn.Module) -> dict:

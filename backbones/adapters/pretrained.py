@@ -23,6 +23,7 @@ PRETRAINED = {
     "sd3": ("SD3Transformer2DModel", "stabilityai/stable-diffusion-3.5-medium"),
     "pixart": ("PixArtTransformer2DModel", "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS"),
     "dit": ("DiTTransformer2DModel", "facebook/DiT-XL-2-256"),
+    "wan": ("WanTransformer3DModel", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"),
 }
 
 

@@ -27,6 +27,7 @@ TABLE_KEYS = {
     "flux": {"encoder_hidden_states": "joint_attention_dim", "pooled_projections": "pooled_projection_dim"},
     "sd3": {"encoder_hidden_states": "joint_attention_dim", "pooled_projections": "pooled_projection_dim"},
     "pixart": {"encoder_hidden_states": "caption_channels", "encoder_attention_mask": None},
+    "wan": {"encoder_hidden_states": "text_dim"},  # umT5's states, zero-padded to the pipeline's length by encode_prompt
 }
 # PixArt-alpha 1024 conditions on the image size in pixels, which its pipeline gives as latent size x 8 (its VAE).
 PIXART_VAE_FACTOR = 8

@@ -1,9 +1,9 @@
-"""Prompt tables: one text prompt per class, encoded once, for fine-tuning Flux, SD3 and PixArt on class labels.
+"""Prompt tables: one text prompt per class, encoded once, for fine-tuning Flux, SD3, PixArt and Wan on class labels.
 
 A table is one safetensors file (backbones/adapters/prompts.py reads it during training):
 - tensors: `encoder_hidden_states` (K+1, L, D), plus `pooled_projections` (K+1, P) for flux and sd3, or
-  `encoder_attention_mask` (K+1, L) for pixart. Row k holds class k's prompt; row K the empty prompt, the null
-  class of label dropout and classifier-free guidance;
+  `encoder_attention_mask` (K+1, L) for pixart (wan: the states only). Row k holds class k's prompt; row K the empty
+  prompt, the null class of label dropout and classifier-free guidance;
 - metadata: `format`, `family`, `prompts` (JSON list of the K+1 texts, the last one ""), `source` (the pipeline
   folder), and `stand_in` ("true" for random embeddings that no text encoder made).
 
@@ -26,7 +26,8 @@ from routing.errors import ConfigError
 from train.files import write_atomic
 from train.files.prompt_table import FORMAT, WRITE_ONE, TableHeader, read_header
 # The diffusers pipelines whose `encode_prompt` makes each family's text conditioning.
-PIPELINES = {"flux": ("FluxPipeline",), "sd3": ("StableDiffusion3Pipeline",), "pixart": ("PixArtSigmaPipeline", "PixArtAlphaPipeline")}
+PIPELINES = {"flux": ("FluxPipeline",), "sd3": ("StableDiffusion3Pipeline",), "pixart": ("PixArtSigmaPipeline", "PixArtAlphaPipeline"),
+             "wan": ("WanPipeline",)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 STAND_IN = "random stand-in"
 
@@ -83,7 +84,7 @@ def read_table(path: str | os.PathLike, family: str | None = None) -> PromptTabl
 
 
 def random_table(family: str, prompts: list[str], sizes: tuple[int, ...], seed: int = 0) -> PromptTable:
-    """Fixed random embeddings in the table's layout: sizes (L, D) for pixart, (L, D, P) for flux and sd3.
+    """Fixed random embeddings in the table's layout: sizes (L, D) for pixart and wan, (L, D, P) for flux and sd3.
 
     A stand-in for tests and CPU demos with tiny random models, which have no text encoder; labelled as such.
     """
@@ -97,7 +98,7 @@ def random_table(family: str, prompts: list[str], sizes: tuple[int, ...], seed: 
     tensors = {"encoder_hidden_states": torch.randn(rows, sizes[0], sizes[1], generator=g)}
     if pooled:
         tensors["pooled_projections"] = torch.randn(rows, sizes[2], generator=g)
-    else:
+    elif "encoder_attention_mask" in TABLE_KEYS[family]:
         tensors["encoder_attention_mask"] = torch.ones(rows, sizes[0], dtype=torch.long)
     return PromptTable(family, tensors, [*prompts, ""], STAND_IN, stand_in=True)
 
@@ -132,6 +133,9 @@ def encode_batch(pipe, family: str, texts: list[str], device, max_sequence_lengt
     if family == "flux":
         embeds, pooled, _ = pipe.encode_prompt(texts, prompt_2=None, device=device, **length)
         return {"encoder_hidden_states": embeds, "pooled_projections": pooled}
+    if family == "wan":
+        embeds, _ = pipe.encode_prompt(texts, do_classifier_free_guidance=False, device=device, **length)
+        return {"encoder_hidden_states": embeds}
     if family == "sd3":
         embeds, _, pooled, _ = pipe.encode_prompt(texts, None, None, device=device, do_classifier_free_guidance=False, **length)
         return {"encoder_hidden_states": embeds, "pooled_projections": pooled}
@@ -157,7 +161,7 @@ def text_pipeline_of(cfg) -> Path:
     """
     f = cfg.get("finetune") or {}
     if f.get("family") not in TABLE_KEYS:
-        raise ConfigError("--prompt is for runs that fine-tuned a text-conditioned model (flux, sd3, pixart); this run takes "
+        raise ConfigError("--prompt is for runs that fine-tuned a text-conditioned model (flux, sd3, pixart, wan); this run takes "
                           "class labels: sample them with --classes.")
     candidates = []
     if cfg.data.name == "captions":

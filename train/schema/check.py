@@ -345,6 +345,9 @@ def _check_finetune(cfg: DictConfig) -> None:
     if f.guidance != 1.0 and f.family != "flux":
         raise ConfigError(f"finetune.guidance={f.guidance:g} is Flux's distilled guidance, but {name} has none; drop finetune.guidance "
                           "(use sample.guidance for classifier-free guidance).")
+    if f.family == "wan" and "resolution" in (f.train_shift, f.sample_shift):
+        raise ConfigError("finetune.train_shift/sample_shift=resolution is Flux's shift by image-token count; Wan samples with a fixed "
+                          "shift (objective.shift, 3 at 480p and 5 at 720p in WanPipeline): use fixed or none.")
     if f.train == "full" and f.dtype != "fp32":
         raise ConfigError(f"finetune.train=full trains every weight, which stays fp32; set finetune.dtype=fp32 "
                           "(trainer.mixed_precision=bf16 still computes in bf16).")

@@ -7,8 +7,8 @@ from typing import Any, Optional
 
 from train.schema.keys import REFUSE, group, key
 
-FAMILIES = ("flux", "sd3", "pixart", "dit")
-TEXT_FAMILIES = ("flux", "sd3", "pixart")  # conditioned through a prompt table; DiT takes class labels
+FAMILIES = ("flux", "sd3", "pixart", "dit", "wan")
+TEXT_FAMILIES = ("flux", "sd3", "pixart", "wan")  # conditioned through a prompt table; DiT takes class labels
 SHIFTS = ("none", "fixed", "resolution")
 
 
@@ -27,11 +27,11 @@ class LoraConfig:
 class FinetuneConfig:
     # Paths may change on resume (a moved folder); what they hold is checked: the pretrained model's config
     # against the checkpoint's, the prompt table against the model and the data.
-    family: Optional[str] = key(None, "pretrained family to fine-tune: flux | sd3 | pixart | dit (null: train `backbone` from scratch)",
+    family: Optional[str] = key(None, "pretrained family to fine-tune: flux | sd3 | pixart | dit | wan (video) (null: train `backbone` from scratch)",
                                 choices=FAMILIES, example="flux", on_resume=REFUSE)
     pretrained: Optional[str] = key(None, "local folder of the diffusers transformer, or of its pipeline (with transformer/)",
                                     example="weights/FLUX.1-dev")
-    prompts: Optional[str] = key(None, "prompt table of the class prompts (flux, sd3, pixart), from python -m train.encode_prompts",
+    prompts: Optional[str] = key(None, "prompt table of the class prompts (flux, sd3, pixart, wan), from python -m train.encode_prompts",
                                  example="prompts/flux.safetensors")
     train: str = key("lora", "what trains: lora (base frozen) | full (every weight)", choices=("lora", "full"), example="lora",
                      on_resume=REFUSE)
