@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from routing.errors import ConfigError
@@ -42,11 +43,14 @@ class Router:
         *,
         force: bool = False,
         fp32_after_route: bool = False,
+        checkpointing: bool = False,
     ):
         self.policy = policy or NoRouting()
         self.routes = list(routes)
         self.force = force  # route in eval mode too (experiments); TREAD routes only while training
         self.fp32_after_route = fp32_after_route
+        # Gradient checkpointing: each block's activations are recomputed in the backward pass instead of kept.
+        self.checkpointing = checkpointing
         self.generator: torch.Generator | None = None  # set by the trainer: per-rank, per-step seeded
         self.last_masks: list[torch.Tensor] = []  # per route, (B, N) bool of processed tokens
         self._unforced_routes: list[Route] | None = None  # the trained routes while `forced` is active
@@ -121,7 +125,7 @@ class Router:
         while i < depth:
             route = routes.get(i)
             if route is None:
-                x = blocks[i](x, c, grid)
+                x = self._block(blocks[i], x, c, grid)
                 i += 1
                 continue
             if route.mode == "sprint":
@@ -137,9 +141,16 @@ class Router:
             if self.fp32_after_route and i < depth:
                 # TREAD's note: under bf16 the first block after a route can be unstable; run it in fp32.
                 with torch.autocast(device_type=x.device.type, enabled=False):
-                    x = blocks[i](x.float(), c.float(), grid)
+                    x = self._block(blocks[i], x.float(), c.float(), grid)
                 i += 1
         return x
+
+    def _block(self, block, x, c, grid):
+        """block(x, c, grid); under gradient checkpointing, recomputed in the backward pass (one wrapper for every
+        block of every stack, routed or not)."""
+        if self.checkpointing and torch.is_grad_enabled():
+            return checkpoint(block, x, c, grid, use_reentrant=False)
+        return block(x, c, grid)
 
     def _run_route(self, blocks, route: Route, x, c, grid, force_keep=None):
         index, x_sub = self._gather_and_run(blocks, route, x, c, grid, force_keep)
@@ -155,7 +166,7 @@ class Router:
         index = sel.indices[:, :, None].expand(-1, -1, d)  # (B, K) -> (B, K, D)
         x_sub = x.gather(1, index)  # (B, K, D)
         for j in range(route.start_layer_idx, route.end_layer_idx + 1):
-            x_sub = blocks[j](x_sub, c, sel.grid)
+            x_sub = self._block(blocks[j], x_sub, c, sel.grid)
         mask = torch.zeros(b, n, dtype=torch.bool, device=x.device).scatter_(1, sel.indices, True)
         self.last_masks.append(mask)
         return index, x_sub
@@ -174,7 +185,7 @@ class Router:
         else:  # every token (inference, or SPRINT's full-token second stage): no gather, no scatter
             deep = x
             for j in range(route.start_layer_idx, route.end_layer_idx + 1):
-                deep = blocks[j](deep, c, grid)
+                deep = self._block(blocks[j], deep, c, grid)
             self.last_masks.append(torch.ones(b, n, dtype=torch.bool, device=x.device))
         if training and route.path_drop > 0:
             # Path drop: the whole deep path of a sample becomes mask tokens, so the decoder also learns the

@@ -59,6 +59,7 @@ def build_backbone_for(cfg: DictConfig, shape: tuple[int, int, int], num_classes
         raise ConfigError(f"backbone={b.name} cannot be built with these settings: {str(err).rstrip('.')}; change backbone.kwargs "
                           "or backbone.hidden_size (python -m train --help).") from None
     model.attach_router(build_router(cfg.routing, model))
+    model.router.checkpointing = bool(cfg.trainer.get("gradient_checkpointing") or False)
     return model
 
 
@@ -116,7 +117,7 @@ def build_finetuned(cfg: DictConfig, dataset) -> nn.Module:
         add_lora(model, f.lora.rank, f.lora.alpha, f.lora.dropout, targets=lora_targets(model, targets))
     else:
         model.requires_grad_(True)
-    if f.gradient_checkpointing:
+    if f.gradient_checkpointing or (cfg.trainer.get("gradient_checkpointing") or False):
         model.enable_gradient_checkpointing()
     net = adapt(model)
     name = f"the pretrained {net.model_class} in '{f.pretrained}'"
@@ -212,6 +213,12 @@ def sampling_objective(cfg: DictConfig, objective: Objective, net: nn.Module, sh
     """The objective to sample `shape` with: the run's, its grid shifted as finetune.sample_shift says."""
     shift = time_shift(cfg, "sample", net.patch) if finetune_family(cfg) else None
     return objective if shift is None else dataclasses.replace(objective, shift=shift(shape))
+
+
+def routed_blocks(net: nn.Module) -> list[nn.Module]:
+    """The blocks the router runs (our backbones' `blocks`, an adapter's diffusers blocks): FSDP's units."""
+    inner = getattr(net.model, "adapter", net.model)
+    return [step.block for step in inner.steps] if hasattr(inner, "steps") else list(inner.blocks)
 
 
 def pretrained_of(net: nn.Module) -> nn.Module:

@@ -28,6 +28,7 @@ from backbones.adapters import load_lora_state_dict, lora_state_dict, model_conf
 from routing import ConfigError
 from train.build import build_net, finetune_family, objective_for, pretrained_of
 from train.data import build_dataset
+from train.distributed import copy_into_shards, is_sharded
 from train.files import as_os_error, read_checkpoint_config, read_latest, read_state, write_atomic
 
 # Sections that fix the shape of the network; changing them makes a checkpoint unloadable.
@@ -70,6 +71,28 @@ def trained_state(net, cfg: DictConfig) -> dict[str, torch.Tensor]:
     return lora_state_dict(model) if cfg.finetune.train == "lora" else model.state_dict()
 
 
+def trained_views(net, cfg: DictConfig) -> dict[str, torch.Tensor]:
+    """trained_state's tensors, uncopied: they share storage with the parameters (their shards, under FSDP), so a
+    checkpoint can be copied into them, and gathered from them."""
+    if not finetune_family(cfg):
+        return net.state_dict()
+    model = pretrained_of(net)
+    if cfg.finetune.train != "lora":
+        return model.state_dict()
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model)  # lora_state_dict's keys, before its copies
+
+
+def _load_sharded(net, cfg: DictConfig, tensors: dict) -> bool:
+    """Copy a checkpoint's full tensors into an FSDP-sharded `net`; False (nothing done) when `net` is not sharded."""
+    views = trained_views(net, cfg)
+    if not is_sharded(views.values()):
+        return False
+    copy_into_shards(views, tensors)
+    return True
+
+
 def load_trained_state(net, state: dict, which: str, cfg: DictConfig) -> None:
     """Put a checkpoint's `which` tensors ("model" or "ema") into `net`, built from `cfg` as the run was.
 
@@ -78,7 +101,8 @@ def load_trained_state(net, state: dict, which: str, cfg: DictConfig) -> None:
     """
     tensors = state[which]
     if not finetune_family(cfg):
-        net.load_state_dict(tensors)
+        if not _load_sharded(net, cfg, tensors):
+            net.load_state_dict(tensors)
         return
     model = pretrained_of(net)
     saved, mine = state.get("pretrained") or {}, model_config(model)
@@ -87,21 +111,32 @@ def load_trained_state(net, state: dict, which: str, cfg: DictConfig) -> None:
         raise ConfigError(f"checkpoint '{state['path']}' was fine-tuned from a {type(model).__name__} whose config differs in "
                           f"{differ} from the one in finetune.pretrained='{cfg.finetune.pretrained}'; point finetune.pretrained "
                           "at the model it was trained from.")
+    if _load_sharded(net, cfg, tensors):
+        return
     if cfg.finetune.train == "lora":
         load_lora_state_dict(model, tensors)
     else:
         model.load_state_dict(tensors)
 
 
-def save_checkpoint(ckpt_root: Path, step: int, model, ema_model, optimizer, cfg: DictConfig, keep: int = 2) -> Path:
+def save_checkpoint(ckpt_root: Path, step: int, model, ema_model, optimizer, cfg: DictConfig, keep: int = 2,
+                    gathered: dict | None = None) -> Path:
     """Write checkpoint `step` so that the folder always holds a loadable one that `latest` names.
 
     New files go to a temporary folder first. Re-saving an existing step moves the old folder aside to
     `.replaced_step_N` (one rename) before the new one is renamed in; a kill between the two renames is
     undone by `recover_checkpoints` at the next start (and `latest_checkpoint` finds the moved-aside copy
     meanwhile). Rotation keeps the `keep` newest and never deletes the one `latest` names.
+
+    `gathered`: the full "model", "ema" and "optimizer" (keyed by parameter name) states of an FSDP-sharded run, which
+    the processes gathered together (the modules hold shards only).
     """
-    model_state, ema_state = _contiguous(trained_state(model, cfg)), _contiguous(trained_state(ema_model, cfg))
+    if gathered is None:
+        model_state, ema_state = _contiguous(trained_state(model, cfg)), _contiguous(trained_state(ema_model, cfg))
+        optimizer_state, extra = optimizer.state_dict(), {}
+    else:
+        model_state, ema_state, optimizer_state = gathered["model"], gathered["ema"], gathered["optimizer"]
+        extra = {"optimizer_keys": "names"}
     bad = non_finite(model_state) + non_finite(ema_state)
     if bad:
         raise NonFiniteWeights(f"{len(bad)} tensors hold NaN or inf (e.g. {bad[0]!r})")
@@ -113,13 +148,14 @@ def save_checkpoint(ckpt_root: Path, step: int, model, ema_model, optimizer, cfg
         tmp.mkdir()
         save_file(model_state, tmp / "model.safetensors")
         save_file(ema_state, tmp / "ema.safetensors")
-        torch.save({"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}, tmp / "optimizer.pt")
+        torch.save({"optimizer": optimizer_state, "torch_rng": torch.get_rng_state(), **extra}, tmp / "optimizer.pt")
         digests = {name: _sha256(tmp / name) for name in ("model.safetensors", "ema.safetensors", "optimizer.pt")}
         state = {"step": step, "sha256": digests}
         if finetune_family(cfg):
             state["pretrained"] = model_config(pretrained_of(model))
             if cfg.finetune.train == "lora":
-                save_lora(pretrained_of(ema_model), tmp / "lora")  # the EMA adapter, for diffusers' pipelines and load_lora
+                # The EMA adapter, for diffusers' pipelines and load_lora (under FSDP: its gathered tensors).
+                save_lora(pretrained_of(ema_model), tmp / "lora", tensors=None if gathered is None else ema_state)
         (tmp / "state.json").write_text(json.dumps(state))
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     except BaseException as err:

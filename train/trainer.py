@@ -12,6 +12,8 @@ import math
 import os
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -19,18 +21,22 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import set_seed
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 from tqdm.auto import tqdm
 
 from backbones.diffmoe import auxiliary_losses
 from edm import generate, reduce_loss, shift_time
 from routing import ConfigError
 from train.build import (absolute_paths, build_ema, build_net, compile_blocks, compiled_graphs, describe_finetuning, finetune_family,
-                         objective_for, sampling_objective, time_shift)
-from train.checkpoint import NonFiniteWeights, latest_checkpoint, load_checkpoint, load_trained_state, recover_checkpoints, save_checkpoint
+                         objective_for, routed_blocks, sampling_objective, time_shift)
+from train.checkpoint import (NonFiniteWeights, latest_checkpoint, load_checkpoint, load_trained_state, recover_checkpoints, save_checkpoint,
+                              trained_views)
 from train.cli import RunStopped, is_disk_full
 from train.data import build_dataset
 from train.data.prefetch import Prefetcher
 from train.data.prompts import check_table
+from train.distributed import ShardedEma, fsdp_accelerator, full_tensors, optimizer_from_names, shard_blocks, shard_optimizer_state
+from train.distributed.fsdp import local
 from train.grid import grid_labels, save_grid
 from train.files import read_metrics, write_atomic
 from train.logger import MetricsLogger
@@ -80,6 +86,16 @@ def check_config(cfg: DictConfig, num_processes: int = 1, device: torch.device |
     files the run will read later (the data's decoder, the FID reference and Inception weights, the prompt table)."""
     schema_check(cfg)
     t = cfg.trainer
+    if t.get("distributed", "ddp") == "fsdp":
+        fsdp = "trainer.distributed=fsdp"
+        if num_processes < 2:
+            raise ConfigError(f"{fsdp} shards the model over processes, but this run has one; launch it with `accelerate launch "
+                              "--multi_gpu --num_processes N -m train ...` (N >= 2), or drop trainer.distributed=fsdp.")
+        if t.get("compile"):
+            raise ConfigError(f"{fsdp} does not compile blocks; drop trainer.compile.")
+        if cfg.fid.every:
+            raise ConfigError(f"{fsdp} runs no FID during training (the processes would sample unequal shares through one sharded "
+                              "model); set fid.every=0 and score a checkpoint with python -m train.fid.")
     per_step = num_processes * t.grad_accum
     if t.batch_size % per_step:
         raise ConfigError(
@@ -114,7 +130,9 @@ class Trainer:
             # benchmark grid) may ask for different precisions, so drop it (the process group stays).
             AcceleratorState._reset_state()
             # Trackers (trainer.log_with) log under run_dir/tb; configs saved before the key existed used TensorBoard.
-            accelerator = Accelerator(cpu=t.cpu, mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.grad_accum,
+            # trainer.distributed=fsdp: accelerate's FSDP2 plugin shards the model that `prepare` is given.
+            make = fsdp_accelerator if t.get("distributed", "ddp") == "fsdp" else Accelerator
+            accelerator = make(cpu=t.cpu, mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.grad_accum,
                                       log_with=tracker_list(t.get("log_with", "tensorboard")) or None,
                                       project_dir=str(Path(cfg.run_dir) / "tb"))
         self.acc = accelerator
@@ -160,12 +178,17 @@ class Trainer:
         # Only trained parameters (all of them from scratch; the LoRA when fine-tuning) get optimizer state.
         trained = [p for p in net.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trained, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, fused=on_cuda)
-        self.ema = build_ema(cfg, net, self.acc.device)
+        sharded = self.acc.is_fsdp2
+        self.ema = None if sharded else build_ema(cfg, net, self.acc.device)
         # Compiled after the EMA copy: a deep copy of a compiled block would call the original's compiled code.
         self.compile_report_pending = bool(t.get("compile"))
         if self.compile_report_pending:
             compile_blocks(self.backbone)
+        if sharded:
+            shard_blocks(self.acc, [type(block).__name__ for block in routed_blocks(net)])  # one FSDP unit per block
         self.net, self.optimizer = self.acc.prepare(net, optimizer)
+        if sharded:
+            self.ema = ShardedEma(self.net, t.ema_decay, t.ema_warmup)  # sharded as the model is
         self.step = 0
         self.prefetcher = Prefetcher(self._load_batch, pin=True) if self.acc.device.type == "cuda" else None
         if self.prefetcher is not None:
@@ -241,11 +264,12 @@ class Trainer:
         state = load_checkpoint(path, self.cfg)
         try:
             load_trained_state(self.acc.unwrap_model(self.net), state, "model", self.cfg)
-            load_trained_state(self.ema.module, state, "ema", self.cfg)
+            with self._ema_net() as ema:
+                load_trained_state(ema, state, "ema", self.cfg)
         except RuntimeError as err:
             raise ConfigError(f"checkpoint '{path}' does not fit this model ({str(err).splitlines()[0]}); resume with the config it was trained with.") from err
         try:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self._load_optimizer(state)
         except (KeyError, ValueError, TypeError) as err:
             raise ConfigError(f"checkpoint '{path}' holds an optimizer state that does not fit this model ({type(err).__name__}); "
                               "resume from an older step_* folder.") from None
@@ -253,6 +277,39 @@ class Trainer:
         torch.set_rng_state(state["torch_rng"])
         self.step = state["step"]
         self.acc.print(f"resumed from {path} at step {self.step}")
+
+    def _load_optimizer(self, state: dict) -> None:
+        """AdamW's state from a checkpoint, keyed by position (one process, DDP) or by parameter name (FSDP's full state
+        dict): either kind resumes either way."""
+        trained = [(n, p) for n, p in self.acc.unwrap_model(self.net).named_parameters() if p.requires_grad]  # its order
+        saved = state["optimizer"]
+        if state.get("optimizer_keys") == "names":
+            saved = optimizer_from_names(saved, [n for n, _ in trained])
+        if self.acc.is_fsdp2:
+            saved = shard_optimizer_state(saved, [p for _, p in trained])
+        self.optimizer.load_state_dict(saved)
+
+    @contextmanager
+    def _ema_net(self) -> Iterator[nn.Module]:
+        """The EMA network: the EMA's own copy; under FSDP, the sharded model holding the EMA weights meanwhile."""
+        if isinstance(self.ema, ShardedEma):
+            with self.ema.swapped(self.acc.unwrap_model(self.net)) as net:
+                yield net
+        else:
+            yield self.ema.module
+
+    def _gather_checkpoint(self) -> dict:
+        """Full state dicts of a sharded run, gathered by every process, kept by the main one: the trained tensors, their
+        EMA and AdamW's state (by parameter name), so the checkpoint loads on one process too."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        net, main = self.acc.unwrap_model(self.net), self.acc.is_main_process
+        model = full_tensors(trained_views(net, self.cfg), main)
+        with self._ema_net() as ema:
+            ema_state = full_tensors(trained_views(ema, self.cfg), main)
+        optimizer = get_optimizer_state_dict(net, self.optimizer.optimizer,
+                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {"model": model, "ema": ema_state, "optimizer": optimizer}
 
     def _start_trackers(self) -> Accelerator | None:
         """Start accelerate's trackers of trainer.log_with (TensorBoard writes run_dir/tb/tread-zoo; wandb runs offline
@@ -359,9 +416,9 @@ class Trainer:
         One host sync per optimizer step; the loss reduce that follows syncs anyway."""
         if self.acc.scaler is None:
             if norm is None:
-                grads = [p.grad for p in self.net.parameters() if p.grad is not None]
+                grads = [local(p.grad) for p in self.net.parameters() if p.grad is not None]  # this process's shards
                 norm = torch.stack(torch._foreach_norm(grads)).sum() if grads else torch.zeros((), device=bad.device)
-            bad = bad | ~torch.isfinite(norm)
+            bad = bad | ~torch.isfinite(local(norm))  # FSDP's total norm is a replicated DTensor
         if self.acc.num_processes > 1:
             bad = self.acc.reduce(bad.float().reshape(1), reduction="sum") > 0
         return bool(bad)
@@ -369,6 +426,9 @@ class Trainer:
     def _weight_norm(self) -> float:
         """L2 norm of the trained weights (every parameter from scratch; the LoRA when fine-tuning)."""
         params = [p.detach() for p in self.acc.unwrap_model(self.net).parameters() if p.requires_grad]
+        if isinstance(self.ema, ShardedEma):  # each process holds shards: the squares of theirs add up over processes
+            square = torch.stack(torch._foreach_norm([local(p) for p in params])).double().square().sum()
+            return float(self.acc.reduce(square.reshape(1), reduction="sum").sqrt())
         return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(params)).double())) if params else 0.0
 
     def _good_checkpoint(self, then: str = "continue from it with a smaller learning rate", lr: bool = True) -> str:
@@ -485,9 +545,12 @@ class Trainer:
         ckpt_root = self.run_dir / "checkpoints"
         self._check_weight_growth()  # every process computes the same norm, so all stop alike
         try:
+            sharded = isinstance(self.ema, ShardedEma)
+            gathered = self._gather_checkpoint() if sharded else None  # every process takes part in the gathers
             if self.acc.is_main_process:
-                save_checkpoint(ckpt_root, self.step, self.acc.unwrap_model(self.net), self.ema.module,
-                                self.optimizer, self.cfg, keep=self.cfg.trainer.keep_checkpoints)
+                ema = self.acc.unwrap_model(self.net) if sharded else self.ema.module
+                save_checkpoint(ckpt_root, self.step, self.acc.unwrap_model(self.net), ema,
+                                self.optimizer, self.cfg, keep=self.cfg.trainer.keep_checkpoints, gathered=gathered)
         except NonFiniteWeights as err:
             good = self._good_checkpoint()
             self._release_run_dir()
@@ -501,14 +564,17 @@ class Trainer:
         """EMA samples with fixed seed and labels, so grids are comparable across steps."""
         s = self.cfg.sample
         path = self.run_dir / "samples" / f"step_{self.step:07d}.png"
-        if self.acc.is_main_process:
+        # A sharded model samples on every process (each forward gathers its weights); the main one writes the grid.
+        if self.acc.is_main_process or isinstance(self.ema, ShardedEma):
             # One row per class; a captioned set shows its first captions.
             labels = grid_labels(getattr(self.dataset, "preview_classes", self.dataset.num_classes), s.per_class)
-            ema = self.ema.module.eval()
-            objective = sampling_objective(self.cfg, self.objective, self.backbone, self.dataset.shape)
-            x = generate(ema, labels, shape=self.dataset.shape, steps=s.steps, guidance=s.guidance, seed=s.seed,
-                         device=self.acc.device, null_label=self.dataset.num_classes, objective=objective,
-                         router=ema.model.router)
-            self._write(f"the sample grid {path.name}", save_grid, self.dataset.to_images(x), path, s.per_class)
+            with self._ema_net() as ema:
+                ema = ema.eval()
+                objective = sampling_objective(self.cfg, self.objective, self.backbone, self.dataset.shape)
+                x = generate(ema, labels, shape=self.dataset.shape, steps=s.steps, guidance=s.guidance, seed=s.seed,
+                             device=self.acc.device, null_label=self.dataset.num_classes, objective=objective,
+                             router=ema.model.router)
+            if self.acc.is_main_process:
+                self._write(f"the sample grid {path.name}", save_grid, self.dataset.to_images(x), path, s.per_class)
         self.acc.wait_for_everyone()
         return path

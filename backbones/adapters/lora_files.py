@@ -43,14 +43,17 @@ def adapter_metadata(model: nn.Module) -> dict:
     return json.loads(json.dumps(config, default=lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v)))
 
 
-def save_lora(model: nn.Module, folder: str | os.PathLike) -> Path:
-    """Write the model's adapter in diffusers' pipeline format, plus adapter_config.json (see the module docstring)."""
+def save_lora(model: nn.Module, folder: str | os.PathLike, tensors: dict | None = None) -> Path:
+    """Write the model's adapter in diffusers' pipeline format, plus adapter_config.json (see the module docstring).
+
+    `tensors`: the LoRA tensors with peft's keys, when the model's own are not whole (gathered from FSDP shards)."""
     import diffusers
     from diffusers.loaders.lora_base import LoraBaseMixin
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors, spec, family = lora_state_dict(model), model._tread_lora, family_of(model)
+    tensors = lora_state_dict(model) if tensors is None else tensors
+    spec, family = model._tread_lora, family_of(model)
     meta = {
         "format": FORMAT,
         "weights": WEIGHTS,

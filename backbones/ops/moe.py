@@ -211,6 +211,8 @@ class MoE(nn.Module):
     @torch.no_grad()
     def _update_threshold(self, prob: torch.Tensor, k: int) -> None:
         """EMA (decay 0.95) of each expert's k-th largest predicted probability, averaged over processes."""
+        if torch._C._current_graph_task_id() != -1:
+            return  # a gradient-checkpointing recompute, inside the backward pass: the forward counted this batch already
         kth = prob.topk(k, dim=0).values[-1]  # (E,)
         if self.threshold_updates == 0:
             new = kth  # start at the first observation rather than at 0 (which would mean "all experts")

@@ -35,6 +35,12 @@ class TrainerConfig:
     ema_warmup: bool = key(True, "timm's EMA warm-up: the decay grows with the step")
     mixed_precision: str = key("no", "autocast precision", choices=("no", "bf16", "fp16"), example="bf16")
     cpu: bool = key(False, "force the CPU even when a GPU is visible")
+    # Configs saved before these keys existed ran DDP without checkpointing, the defaults.
+    distributed: str = key("ddp", "how several processes share a run: ddp (each holds the whole model) | fsdp (accelerate's FSDP2: "
+                           "parameters, gradients and AdamW state sharded over the processes; needs >= 2)", choices=("ddp", "fsdp"),
+                           example="fsdp")
+    gradient_checkpointing: bool = key(False, "recompute each block's activations in the backward pass (less memory, about a third "
+                                       "more compute), for every backbone family and fine-tuned model")
     compile: bool = key(False, "torch.compile the network")
     log_every: int = key(10, "steps between metrics.jsonl lines", ge=1, example=100)
     # A name or a list (trainer.log_with=[tensorboard,wandb]); metrics.jsonl is written whatever this says.

@@ -1,0 +1,103 @@
+"""trainer.distributed=fsdp: accelerate's FSDP2 over 2 CPU processes (gloo) equals one process with the same global
+batch; checkpoints are full state dicts that resume across process counts and kinds (one process <-> FSDP).
+
+    python -m pytest tests/test_fsdp.py       # the 2-process test CI runs (about 30 s on 2 cores)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from routing import ConfigError
+from train.trainer import Trainer
+from conftest import FAST, ROOT, compose_cfg
+
+ARGS = [*FAST, "trainer.batch_size=8", "trainer.ckpt_every=2", "trainer.keep_checkpoints=5", "trainer.grad_clip=1.0",
+        "trainer.log_with=none"]
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {line["step"]: line["loss"] for line in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+def tensors(run: Path, step: int, name: str) -> dict[str, torch.Tensor]:
+    return load_file(run / "checkpoints" / f"step_{step:07d}" / f"{name}.safetensors")
+
+
+def assert_close(a: dict, b: dict, tol: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < tol
+
+
+def launch_fsdp(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29573", "-m", "train",
+               "trainer.distributed=fsdp", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_fsdp_on_two_processes_equals_one_process_and_checkpoints_resume_across_them(tmp_path):
+    # One process, 5 steps: the reference (checkpoints at 2 and 4).
+    one = tmp_path / "one"
+    Trainer(compose_cfg(*ARGS, "trainer.max_steps=5", f"run_dir={one}")).fit()
+
+    # FSDP on 2 processes resumes the one-process checkpoint of step 2 (positional AdamW state) and trains to step 4.
+    sharded = tmp_path / "fsdp"
+    (sharded / "checkpoints").mkdir(parents=True)
+    shutil.copytree(one / "checkpoints" / "step_0000002", sharded / "checkpoints" / "step_0000002")
+    (sharded / "checkpoints" / "latest").write_text("step_0000002")
+    result = launch_fsdp(*ARGS, "trainer.max_steps=4", "trainer.sample_every=4", f"run_dir={sharded}", "resume=true")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 process(es)" in result.stdout and "resumed from" in result.stdout
+    for step in (3, 4):
+        assert losses(sharded)[step] == pytest.approx(losses(one)[step], rel=1e-5)
+    # Saved whole (not shards), equal to the one-process run's: weights, EMA, and AdamW's state by parameter name.
+    for name in ("model", "ema"):
+        assert_close(tensors(sharded, 4, name), tensors(one, 4, name))
+    saved = torch.load(sharded / "checkpoints" / "step_0000004" / "optimizer.pt", weights_only=False)
+    assert saved["optimizer_keys"] == "names" and "model.blocks.0.attn.qkv.weight" in saved["optimizer"]["state"]
+    assert (sharded / "samples" / "step_0000004.png").is_file()  # the EMA preview, sampled by both processes
+
+    # One process resumes the FSDP checkpoint and takes step 5 as the one-process run did.
+    Trainer(compose_cfg(*ARGS, "trainer.max_steps=5", f"run_dir={sharded}", "resume=true")).fit()
+    assert losses(sharded)[5] == pytest.approx(losses(one)[5], rel=1e-5)
+    assert_close(tensors(sharded, 4, "model"), tensors(one, 4, "model"))
+
+
+def test_fsdp_with_one_process_is_refused_in_one_sentence(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        Trainer(compose_cfg(*ARGS, "trainer.distributed=fsdp", f"run_dir={tmp_path / 'run'}"))
+    assert "trainer.distributed=fsdp shards the model over processes, but this run has one" in str(err.value)
+    assert "\n" not in str(err.value) and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("backbone", ["dit", "diffmoe"])
+def test_gradient_checkpointing_recomputes_every_block_with_equal_gradients(backbone):
+    from train.build import build_backbone_for
+
+    grads, thresholds = [], []
+    for checkpointing in (False, True):
+        cfg = compose_cfg(f"backbone={backbone}", "routing=random", f"trainer.gradient_checkpointing={str(checkpointing).lower()}")
+        torch.manual_seed(0)
+        model = build_backbone_for(cfg, (1, 16, 16), 10).train()
+        assert model.router.checkpointing == checkpointing
+        model.router.generator = torch.Generator().manual_seed(1)
+        g = torch.Generator().manual_seed(2)
+        out = model(torch.randn(4, 1, 16, 16, generator=g), torch.randn(4, generator=g), torch.arange(4))
+        out.square().mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+        thresholds.append([b.clone() for n, b in model.named_buffers() if n.endswith("threshold_updates")])
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name])
+    # DiffMoE's capacity thresholds count each batch once, not again in the recompute.
+    assert all(torch.equal(a, b) for a, b in zip(*thresholds)) and all(int(t) == 1 for t in thresholds[1])
