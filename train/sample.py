@@ -48,7 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_sampling_rule_flags(parser)
     parser.add_argument("--rg-bad", help="routing guidance: a weaker checkpoint as the weak branch (autoguidance-style)")
     parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument("--out", type=writable_file, help="PNG path (default: <checkpoint>/samples_w<guidance>_seed<seed>.png)")
+    parser.add_argument("--out", type=writable_file, help="PNG path, or for video runs .gif or .mp4 (default: "
+                        "<checkpoint>/samples_w<guidance>_seed<seed>.png, .gif for video)")
     args = parser.parse_args(argv)
     check_sampling_rule_flags(parser, args)
     return args
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> Path:
     x = generate(sampled, labels, shape=shape, steps=args.steps, guidance=args.guidance, seed=args.seed, device=args.device,
                  sampler=args.sampler, null_label=classes, progress=True, objective=objective, router=router,
                  route_ratio=args.route_ratio)
-    save_grid(ds.to_images(x), out, per_row=args.per_class)
+    out = save_grid(ds.to_images(x), out, per_row=args.per_class)  # video samples: an animated grid, GIF or MP4
     print(f"wrote {out} ({len(labels)} samples, step {loaded.step}, objective {trained}, guidance {args.guidance:g})")
     return out
 

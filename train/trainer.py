@@ -161,6 +161,8 @@ class Trainer:
             # A captioned folder's refusals (a missing caption, an unreadable image) first; then its cache, which the
             # dataset reads, is brought up to date (beside the data, not in the run folder).
             self._prepare_captions(self._list_captions())
+        if cfg.data.name == "videos":
+            self._prepare_videos(self._list_clips())  # likewise a video folder's
         self.dataset = build_dataset(cfg.data, cfg.edm.sigma_data)
         if len(self.dataset) == 0:
             raise ConfigError(f"data.name='{cfg.data.name}' has no samples; check data.path.")
@@ -229,6 +231,19 @@ class Trainer:
 
         if self.acc.is_main_process:
             prepare_captions(self.cfg, device=self.acc.device, log=self.acc.print, items=items)
+        self.acc.wait_for_everyone()
+
+    def _list_clips(self) -> list:
+        from train.data.videos import check_videos
+
+        return check_videos(self.cfg)
+
+    def _prepare_videos(self, clips: list) -> None:
+        """Encode a video folder's new or changed captions and clips into its cache (main process), once per run."""
+        from train.data.video_cache import prepare_videos
+
+        if self.acc.is_main_process:
+            prepare_videos(self.cfg, clips, device=self.acc.device, log=self.acc.print)
         self.acc.wait_for_everyone()
 
     def _release_run_dir(self) -> None:
@@ -575,6 +590,6 @@ class Trainer:
                              device=self.acc.device, null_label=self.dataset.num_classes, objective=objective,
                              router=ema.model.router)
             if self.acc.is_main_process:
-                self._write(f"the sample grid {path.name}", save_grid, self.dataset.to_images(x), path, s.per_class)
+                path = self._write(f"the sample grid {path.name}", save_grid, self.dataset.to_images(x), path, s.per_class)
         self.acc.wait_for_everyone()
         return path

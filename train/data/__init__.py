@@ -33,4 +33,9 @@ def build_dataset(cfg_data: DictConfig, sigma_data: float):
         from train.data.captioned import CaptionsDataset
 
         return CaptionsDataset(cfg_data)
-    raise ConfigError(f"data.name='{name}' is unknown; choose data=digits, data=shapes, data=fashion_mnist, data=latents or data=captions.")
+    if name == "videos":
+        from train.data.video_cache import VideosDataset
+
+        return VideosDataset(cfg_data)
+    raise ConfigError(f"data.name='{name}' is unknown; choose data=digits, data=shapes, data=fashion_mnist, data=latents, data=captions "
+                      "or data=videos.")

@@ -156,7 +156,7 @@ def encode_table(family: str, folder: str | os.PathLike, prompts: list[str], *, 
 def text_pipeline_of(cfg) -> Path:
     """The pipeline folder whose text encoders conditioned a fine-tuning run, for encoding new prompts to sample.
 
-    Captioned data: data.pipeline or finetune.pretrained. A prompt table: the pipeline it was encoded with (its
+    Captioned data (images or videos): data.pipeline or finetune.pretrained. A prompt table: the pipeline it was encoded with (its
     `source`), else finetune.pretrained when that is a pipeline folder. A random stand-in has no text encoder.
     """
     f = cfg.get("finetune") or {}
@@ -164,7 +164,7 @@ def text_pipeline_of(cfg) -> Path:
         raise ConfigError("--prompt is for runs that fine-tuned a text-conditioned model (flux, sd3, pixart, wan); this run takes "
                           "class labels: sample them with --classes.")
     candidates = []
-    if cfg.data.name == "captions":
+    if cfg.data.name in ("captions", "videos"):
         candidates.append(cfg.data.get("pipeline") or f["pretrained"])
     else:
         table = read_table(f["prompts"], f["family"])

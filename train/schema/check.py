@@ -311,7 +311,11 @@ def _check_finetune_objective(cfg: Any) -> None:
 def _check_finetune(cfg: DictConfig) -> None:
     """What fine-tuning needs: a local pretrained folder, rectified flow, a prompt table for the text families."""
     f = cfg.finetune
-    captions = cfg.data is not None and cfg.data.get("name") == "captions"  # its own checks: train/data/captions.py
+    # Captioned data has its own checks (train/data/captions.py, videos.py); its captions replace the prompt table.
+    captions = cfg.data is not None and cfg.data.get("name") in ("captions", "videos")
+    if cfg.data is not None and cfg.data.get("name") == "videos" and f.family != "wan":
+        raise ConfigError(f"data=videos trains a video model, but finetune.family={f.family}; fine-tune Wan (+experiment=finetune_wan "
+                          "finetune.pretrained=weights/Wan2.1-T2V-1.3B-Diffusers).")
     if f.family is None:
         stray = [k for k in ("pretrained", "prompts") if f[k] is not None]
         if stray:
@@ -328,9 +332,12 @@ def _check_finetune(cfg: DictConfig) -> None:
     objective = (cfg.objective or {}).get("name", "edm")
     if objective != "flow":
         raise ConfigError(f"fine-tuning trains with rectified flow, but objective={objective}; add objective=flow.")
+    if f.family == "wan" and cfg.data.get("name") != "videos":
+        raise ConfigError(f"finetune.family=wan trains on video clips, not data={cfg.data.get('name')}; add data=videos data.path=<folder of "
+                          "clips with captions> (or +experiment=finetune_wan).")
     encode = f"python -m train.encode_prompts --family {f.family} --pipeline DIR --prompts ... --out FILE"
     if captions and f.prompts is not None:
-        raise ConfigError("data=captions conditions each image on its own caption, encoded into the data's cache; drop finetune.prompts.")
+        raise ConfigError(f"data={cfg.data.name} conditions each sample on its own caption, encoded into the data's cache; drop finetune.prompts.")
     if f.family in TEXT_FAMILIES and f.prompts is None and not captions:
         raise ConfigError(f"{name} conditions on text; give finetune.prompts=<prompt table, one prompt per class> (write one with `{encode}`).")
     if f.family not in TEXT_FAMILIES and f.prompts is not None:

@@ -65,4 +65,25 @@ class CaptionsData:
     cache: Optional[str] = key(None, "cache folder of the encoded captions and latents (null: <path>/.tread_cache)", example="/cache/my-set")
 
 
-DATA = {"digits": DigitsData, "shapes": ShapesData, "fashion_mnist": FashionMNISTData, "latents": LatentsData, "captions": CaptionsData}
+@dataclass
+class VideosData:
+    """Captioned clips or frame folders (name.mp4 + name.txt, name/0001.png ... + name.txt), for fine-tuning Wan."""
+
+    name: str = key("videos", "dataset", example="videos")
+    path: Optional[str] = key(None, "folder of clips (.mp4 .gif .webm ...) or frame folders, a .txt caption beside each (required)",
+                              example="/data/my-clips")
+    frames: int = key(17, "frames per sample: 1 + 4k for Wan's VAE (81 is Wan's own length; 1 trains single frames)", ge=1, le=1025,
+                      example=33)
+    stride: int = key(1, "take every stride-th frame of a clip", ge=1, le=64, example=2)
+    height: int = key(480, "frame height in pixels after a centre crop (a multiple of the VAE factor 8 x the patch 2)", ge=8, le=4096,
+                      example=480)
+    width: int = key(832, "frame width in pixels after a centre crop (a multiple of 16 for Wan)", ge=8, le=4096, example=832)
+    pipeline: Optional[str] = key(None, "Wan pipeline folder whose text encoder (and vae/) encode the data (null: finetune.pretrained)",
+                                  example="weights/Wan2.1-T2V-1.3B-Diffusers")
+    vae: Optional[str] = key(None, "AutoencoderKLWan folder (null: the pipeline's vae/), or pixels to train on the frames", example="pixels")
+    max_sequence_length: Optional[int] = key(None, "text tokens per caption (null: the pipeline's 512)", ge=1, le=4096, example=226)
+    cache: Optional[str] = key(None, "cache folder of the encoded captions and latents (null: <path>/.tread_cache)", example="/cache/clips")
+
+
+DATA = {"digits": DigitsData, "shapes": ShapesData, "fashion_mnist": FashionMNISTData, "latents": LatentsData, "captions": CaptionsData,
+        "videos": VideosData}

@@ -1,0 +1,207 @@
+"""Captioned video folders (`data=videos`): clips or frame folders, each with a caption, for fine-tuning Wan.
+
+Layout, as video trainers (musubi-tuner, SimpleTuner) read it: a clip `name.mp4` (or .gif, .webm, .mov, .mkv, .avi)
+beside `name.txt`, or a folder of frames `name/0001.png ...` (sorted by name) beside `name.txt`; sub-folders allowed.
+A sample is the clip's first data.frames frames (every data.stride-th), centre-cropped to the aspect of data.width x
+data.height and resized to it.
+
+`check_videos(cfg)` refuses, in one sentence naming the file or key and the fix, before any work: a folder without
+clips, a clip without a caption or with an empty one, an unreadable clip, a clip shorter than the frames a sample
+takes, a frame count the VAE cannot encode (Wan's: 1 + 4k), latent frames fewer than the model's temporal patch, and a
+frame size that is not a whole number of the model's patches. The captions and clips are then encoded once into a
+cache (video_cache.py), which `VideosDataset` trains from.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageSequence
+
+from routing.errors import ConfigError
+from train.data.captions import UNREADABLE
+from train.data.images import IMAGE_EXTENSIONS
+
+VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi")
+CLIP_EXTENSIONS = (".gif", *VIDEO_EXTENSIONS)
+PIXELS = "pixels"  # data.vae: train on the frames themselves (tiny CPU models)
+
+
+@dataclass(frozen=True)
+class Clip:
+    file: str  # path relative to the folder, posix: a clip file or a frame folder
+    caption: str
+    frames: int
+    size: tuple[int, int]  # (width, height) in pixels
+    stamp: tuple[int, int]  # (bytes, mtime in ns) of the file, or of the newest frame: a change re-encodes the clip
+
+
+def frame_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+
+
+def clip_paths(root: Path) -> list[Path]:
+    """Clip files and frame folders under `root` (the cache folder and hidden entries skipped), sorted."""
+    found = []
+    for path in sorted(root.rglob("*")):
+        if any(part.startswith(".") for part in path.relative_to(root).parts):
+            continue
+        if path.is_file() and path.suffix.lower() in CLIP_EXTENSIONS:
+            found.append(path)
+        elif path.is_dir() and frame_files(path):
+            found.append(path)
+    return found
+
+
+def read_caption(clip: Path) -> str:
+    text_file = clip.with_suffix(".txt") if clip.is_file() else clip.parent / f"{clip.name}.txt"
+    if not text_file.is_file():
+        raise ConfigError(f"clip '{clip}' has no caption file; write its caption to '{text_file}' (one line of text), or move the "
+                          "clip out of data.path.")
+    try:
+        caption = " ".join(text_file.read_text(encoding="utf-8").split())
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"caption file '{text_file}' is unreadable ({type(err).__name__}); save it again as UTF-8 text.") from None
+    if not caption:
+        raise ConfigError(f"caption file '{text_file}' is empty; write the clip's caption into it, or move the clip out of data.path.")
+    return caption
+
+
+def _unreadable(clip: Path, err: BaseException) -> ConfigError:
+    return ConfigError(f"clip '{clip}' is unreadable ({type(err).__name__}); replace or delete it.")
+
+
+def probe(clip: Path) -> tuple[int, tuple[int, int]]:
+    """(frame count, (width, height)) of a clip file or a frame folder, without decoding every frame."""
+    try:
+        if clip.is_dir():
+            files = frame_files(clip)
+            with Image.open(files[0]) as first:
+                return len(files), first.size
+        if clip.suffix.lower() == ".gif":
+            with Image.open(clip) as gif:
+                return gif.n_frames, gif.size
+        import imageio_ffmpeg
+
+        reader = imageio_ffmpeg.read_frames(str(clip))
+        meta = next(reader)
+        reader.close()
+        return imageio_ffmpeg.count_frames_and_secs(str(clip))[0], tuple(meta["size"])
+    except (*UNREADABLE, RuntimeError, StopIteration, IndexError) as err:
+        raise _unreadable(clip, err) from None
+
+
+def read_frames(clip: Path, count: int, stride: int = 1) -> list[Image.Image]:
+    """The clip's frames 0, stride, 2 stride, ... (`count` of them) as RGB images."""
+    wanted = set(range(0, count * stride, stride))
+    try:
+        if clip.is_dir():
+            frames = [Image.open(f).convert("RGB") for i, f in enumerate(frame_files(clip)) if i in wanted]
+        elif clip.suffix.lower() == ".gif":
+            with Image.open(clip) as gif:
+                frames = [f.convert("RGB") for i, f in enumerate(ImageSequence.Iterator(gif)) if i in wanted]
+        else:
+            import imageio_ffmpeg
+
+            reader = imageio_ffmpeg.read_frames(str(clip))
+            width, height = next(reader)["size"]
+            frames = []
+            for i, raw in enumerate(reader):
+                if i in wanted:
+                    frames.append(Image.frombytes("RGB", (width, height), raw))
+                if len(frames) == count:
+                    break
+            reader.close()
+    except (*UNREADABLE, RuntimeError) as err:
+        raise _unreadable(clip, err) from None
+    if len(frames) < count:
+        raise ConfigError(f"clip '{clip}' gave {len(frames)} frames, fewer than the {count} it was listed with; replace or delete it.")
+    return frames
+
+
+def fit_frame(image: Image.Image, width: int, height: int) -> Image.Image:
+    """Centre-crop to width:height, then resize to width x height."""
+    w, h = image.size
+    scale = max(width / w, height / h)
+    crop_w, crop_h = round(width / scale), round(height / scale)
+    left, top = (w - crop_w) // 2, (h - crop_h) // 2
+    return image.crop((left, top, left + crop_w, top + crop_h)).resize((width, height), Image.BICUBIC)
+
+
+def clip_array(clip: Path, frames: int, stride: int, width: int, height: int) -> np.ndarray:
+    """(3, frames, height, width) float32 in [-1, 1]: the sample a clip gives."""
+    images = [np.asarray(fit_frame(f, width, height), dtype=np.float32) for f in read_frames(clip, frames, stride)]
+    return (np.stack(images).transpose(3, 0, 1, 2) / 127.5 - 1).astype(np.float32)  # (T, H, W, 3) -> (3, T, H, W)
+
+
+def list_clips(folder: str | Path, frames: int, stride: int) -> list[Clip]:
+    """Every clip under `folder` with its caption, frame count, size and stamp; refuses a clip too short to sample."""
+    root = Path(folder).expanduser()
+    if not root.is_dir():
+        raise ConfigError(f"data.path='{root}' is not a folder; point it at a folder of clips (name.mp4 + name.txt) or frame folders.")
+    paths = clip_paths(root)
+    if not paths:
+        raise ConfigError(f"data.path='{root}' holds no clips ({', '.join(CLIP_EXTENSIONS)}) and no folders of frames; add clips "
+                          "with a .txt caption beside each (name.mp4 + name.txt, or name/0001.png ... + name.txt).")
+    need = 1 + (frames - 1) * stride
+    out = []
+    for path in paths:
+        caption = read_caption(path)
+        count, size = probe(path)
+        if count < need:
+            raise ConfigError(f"clip '{path}' has {count} frames, but a sample takes {need} (data.frames={frames}, data.stride={stride}); "
+                              "lower data.frames or data.stride, or move the clip out of data.path.")
+        stat = max((f.stat() for f in frame_files(path)), key=lambda s: s.st_mtime_ns) if path.is_dir() else path.stat()
+        out.append(Clip(path.relative_to(root).as_posix(), caption, count, size, (stat.st_size, stat.st_mtime_ns)))
+    return out
+
+
+def model_patch(cfg) -> tuple[int, int, int]:
+    """The pretrained Wan transformer's (p_t, p_h, p_w), read from its config.json only."""
+    from backbones.adapters import pretrained_folder
+
+    folder = pretrained_folder("wan", cfg.finetune.pretrained, what="finetune.pretrained")
+    return tuple(json.loads((folder / "config.json").read_text()).get("patch_size", (1, 2, 2)))
+
+
+def vae_factors(cfg) -> tuple[int, int, int]:
+    """(temporal, spatial, channels) of the latents: the Wan VAE's (4, 8, z_dim), read from its config, or (1, 1, 3) for pixels."""
+    from train.data.video_cache import vae_folder
+
+    folder = vae_folder(cfg)
+    if folder is None:
+        return 1, 1, 3
+    config = json.loads((folder / "config.json").read_text())
+    temporal = config.get("scale_factor_temporal") or 2 ** sum(config.get("temperal_downsample", [False, True, True]))
+    spatial = config.get("scale_factor_spatial") or 2 ** (len(config.get("dim_mult", [1, 2, 4, 4])) - 1)
+    return int(temporal), int(spatial), int(config.get("z_dim", 16))
+
+
+def check_videos(cfg) -> list[Clip]:
+    """Every refusal of a `data=videos` run before any work: the model it needs, the sample's shape against the VAE and
+    the model's patch, then the folder (list_clips)."""
+    from omegaconf import OmegaConf
+
+    d, family = cfg.data, (cfg.get("finetune") or {}).get("family")
+    if family != "wan":
+        raise ConfigError(f"data=videos trains a video model, but finetune.family={family}; fine-tune Wan (+experiment=finetune_wan "
+                          "finetune.pretrained=weights/Wan2.1-T2V-1.3B-Diffusers).")
+    if OmegaConf.is_missing(d, "path") or not d.path:
+        raise ConfigError("data=videos needs data.path=<folder of clips or frame folders with a .txt caption beside each>.")
+    temporal, spatial, _ = vae_factors(cfg)
+    p_t, p_h, p_w = model_patch(cfg)
+    if (d.frames - 1) % temporal:
+        raise ConfigError(f"data.frames={d.frames} is not 1 + {temporal}k, the frame counts the VAE encodes (its first latent frame holds "
+                          f"one frame, each other {temporal}); use e.g. data.frames={1 + temporal * max(1, (d.frames - 1) // temporal)}.")
+    latent = 1 + (d.frames - 1) // temporal
+    if latent % p_t:
+        raise ConfigError(f"data.frames={d.frames} gives {latent} latent frames, which the model's temporal patch {p_t} does not divide "
+                          f"(a clip shorter than the patch, or not a whole number of patches); use data.frames={1 + temporal * (p_t * (latent // p_t + 1) - 1)}.")
+    for key, side, p in (("height", d.height, p_h), ("width", d.width, p_w)):
+        if side % (spatial * p):
+            raise ConfigError(f"data.{key}={side} is not a multiple of {spatial * p} (the VAE's factor {spatial} x the model's patch {p}); "
+                              f"use data.{key}={max(1, round(side / (spatial * p))) * spatial * p}.")
+    return list_clips(d.path, d.frames, d.stride)
