@@ -38,7 +38,8 @@ def tokenizer():
     return T5TokenizerFast(tokenizer_object=backend, eos_token="</s>", pad_token="<pad>", unk_token="<unk>", extra_ids=0), len(vocab)
 
 
-def tiny_pipeline(seed: int = 0):
+def tiny_pipeline(seed: int = 0, channels: int = 4):
+    """channels: of the transformer's input and output: 4, the tiny VAE's latents; 3 to train on pixels (data.vae=pixels)."""
     import diffusers
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -48,7 +49,8 @@ def tiny_pipeline(seed: int = 0):
     return diffusers.WanPipeline(tokenizer=tok, text_encoder=text_encoder, vae=diffusers.AutoencoderKLWan(**VAE),
                                  scheduler=diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                                                              flow_shift=3.0),
-                                 transformer=diffusers.WanTransformer3DModel(**TRANSFORMER))
+                                 transformer=diffusers.WanTransformer3DModel(**{**TRANSFORMER, "in_channels": channels,
+                                                                                "out_channels": channels}))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,9 +60,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-clips", type=int, default=16)
     parser.add_argument("--frames", type=int, default=9)
     parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--pixels", action="store_true", help="a transformer on RGB frames (data.vae=pixels) instead of latents")
     args = parser.parse_args(argv)
     if args.pipeline:
-        tiny_pipeline().save_pretrained(args.pipeline)
+        tiny_pipeline(channels=3 if args.pixels else 4).save_pretrained(args.pipeline)
         print(f"wrote a tiny WanPipeline to {args.pipeline}")
     if args.clips:
         write_moving_shapes(args.clips, clips=args.num_clips, frames=args.frames, size=args.size)

@@ -101,3 +101,26 @@ def test_gradient_checkpointing_recomputes_every_block_with_equal_gradients(back
         torch.testing.assert_close(grads[1][name], grads[0][name])
     # DiffMoE's capacity thresholds count each batch once, not again in the recompute.
     assert all(torch.equal(a, b) for a, b in zip(*thresholds)) and all(int(t) == 1 for t in thresholds[1])
+
+
+@pytest.mark.slow
+def test_fsdp_fine_tunes_wan_with_lora_and_gathers_an_adapter_only_checkpoint_equal_to_one_process(tmp_path):
+    """Wan (frozen base sharded with its LoRA, gradient checkpointing on) on pixels, where a sample has no posterior
+    noise, so one process and two see the same batch: equal losses, LoRA, EMA and the lora/ export."""
+    import runpy
+
+    runpy.run_path(str(ROOT / "docs" / "finetune_tiny_wan.py"))["main"](
+        ["--pipeline", str(tmp_path / "pipe"), "--clips", str(tmp_path / "clips"), "--num-clips", "4", "--frames", "5", "--size", "32",
+         "--pixels"])
+    wan = ["+experiment=finetune_wan", f"finetune.pretrained={tmp_path / 'pipe'}", f"data.path={tmp_path / 'clips'}", "data.vae=pixels",
+           "data.frames=5", "data.height=32", "data.width=32", "data.max_sequence_length=8", "finetune.dtype=fp32",
+           "finetune.gradient_checkpointing=false", "finetune.lora.rank=4", "trainer.mixed_precision=no", *ARGS, "trainer.batch_size=4",
+           "trainer.max_steps=2", "routing.routes=[]"]
+    Trainer(compose_cfg(*wan, f"run_dir={tmp_path / 'one'}")).fit()
+    result = launch_fsdp(*wan, "trainer.gradient_checkpointing=true", f"run_dir={tmp_path / 'fsdp'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert losses(tmp_path / "fsdp") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+    for name in ("model", "ema", "lora/pytorch_lora_weights"):
+        one, two = tensors(tmp_path / "one", 2, name), tensors(tmp_path / "fsdp", 2, name)
+        assert all(".lora_" in k for k in two)
+        assert_close(two, one)

@@ -104,6 +104,7 @@ def test_clips_are_read_from_gifs_frame_folders_and_mp4s(tiny, tmp_path):
     (None, ["data.frames=4"], "data.frames=4 is not 1 + 4k, the frame counts the VAE encodes"),
     (None, ["data.height=40"], "data.height=40 is not a multiple of 16 (the VAE's factor 8 x the model's patch 2)"),
     ("patch", [], "gives 1 latent frames, which the model's temporal patch 2 does not divide"),
+    (None, ["data.vae=pixels"], "data.vae=pixels gives RGB frames, but the model in finetune.pretrained="),
 ])
 def test_bad_clips_and_sample_shapes_are_refused_in_one_sentence_before_any_work(tiny, tmp_path, change, extra, message):
     folder, pipeline = tmp_path / "clips", tmp_path / "pipeline"

@@ -167,6 +167,14 @@ def model_patch(cfg) -> tuple[int, int, int]:
     return tuple(json.loads((folder / "config.json").read_text()).get("patch_size", (1, 2, 2)))
 
 
+def model_channels(cfg) -> int:
+    """The channels the pretrained Wan transformer denoises (its out_channels), from its config.json."""
+    from backbones.adapters import pretrained_folder
+
+    config = json.loads((pretrained_folder("wan", cfg.finetune.pretrained, what="finetune.pretrained") / "config.json").read_text())
+    return int(config.get("out_channels") or config.get("in_channels", 16))
+
+
 def vae_factors(cfg) -> tuple[int, int, int]:
     """(temporal, spatial, channels) of the latents: the Wan VAE's (4, 8, z_dim), read from its config, or (1, 1, 3) for pixels."""
     from train.data.video_cache import vae_folder
@@ -191,8 +199,12 @@ def check_videos(cfg) -> list[Clip]:
                           "finetune.pretrained=weights/Wan2.1-T2V-1.3B-Diffusers).")
     if OmegaConf.is_missing(d, "path") or not d.path:
         raise ConfigError("data=videos needs data.path=<folder of clips or frame folders with a .txt caption beside each>.")
-    temporal, spatial, _ = vae_factors(cfg)
-    p_t, p_h, p_w = model_patch(cfg)
+    temporal, spatial, channels = vae_factors(cfg)
+    (p_t, p_h, p_w), wanted = model_patch(cfg), model_channels(cfg)
+    if channels != wanted:
+        source = "data.vae=pixels gives RGB frames" if d.get("vae") == PIXELS else f"the VAE gives {channels}-channel latents"
+        raise ConfigError(f"{source}, but the model in finetune.pretrained='{cfg.finetune.pretrained}' denoises {wanted} channels; "
+                          "encode the clips with its own pipeline's VAE (drop data.vae).")
     if (d.frames - 1) % temporal:
         raise ConfigError(f"data.frames={d.frames} is not 1 + {temporal}k, the frame counts the VAE encodes (its first latent frame holds "
                           f"one frame, each other {temporal}); use e.g. data.frames={1 + temporal * max(1, (d.frames - 1) // temporal)}.")
