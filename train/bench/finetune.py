@@ -1,11 +1,12 @@
 """Fine-tuning step cost of pretrained-architecture transformers, routed vs unrouted, in one run.
 
-    python -m train.bench.finetune --models flux sd3 pixart dit --threads 2
+    python -m train.bench.finetune --models flux sd3 pixart dit wan --threads 2
 
 Each model is built from a config with random weights (no download): a mid-size member of its family
 (512 wide, 12 blocks; Flux: 4 double + 8 single), LoRA rank 16 on the attention projections (or full
 fine-tuning with --train full). One step is the rectified-flow loss forward and backward on fixed data;
-routed means TREAD's SimpleTuner starting point, ratio 0.5 over blocks 2..-2 with the random policy.
+routed means TREAD's SimpleTuner starting point, ratio 0.5 over blocks 2..-2 with the random policy. Wan denoises
+--frames latent frames at half the latent side, so its video has as many tokens as the image families' latents.
 Steps are timed interleaved (medians); FLOPs come from torch.utils.flop_counter.
 """
 
@@ -34,6 +35,8 @@ PRESETS = {
                        cross_attention_dim=512, sample_size=64, patch_size=2, caption_channels=512),
         "dit": dict(num_attention_heads=8, attention_head_dim=64, in_channels=4, out_channels=8, num_layers=12,
                     sample_size=32, patch_size=2, num_embeds_ada_norm=1000),
+        "wan": dict(patch_size=(1, 2, 2), num_attention_heads=8, attention_head_dim=64, in_channels=16, out_channels=16, text_dim=512,
+                    freq_dim=256, ffn_dim=2048, num_layers=12, rope_max_seq_len=256),
     },
     # A smoke-test size: seconds on a CPU.
     "tiny": {
@@ -46,10 +49,12 @@ PRESETS = {
                        cross_attention_dim=32, sample_size=16, patch_size=2, caption_channels=32),
         "dit": dict(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=5,
                     sample_size=16, patch_size=2, num_embeds_ada_norm=10),
+        "wan": dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4, text_dim=32,
+                    freq_dim=16, ffn_dim=48, num_layers=5, rope_max_seq_len=32),
     },
 }
 MODEL_CLASSES = {"flux": "FluxTransformer2DModel", "sd3": "SD3Transformer2DModel",
-                 "pixart": "PixArtTransformer2DModel", "dit": "DiTTransformer2DModel"}
+                 "pixart": "PixArtTransformer2DModel", "dit": "DiTTransformer2DModel", "wan": "WanTransformer3DModel"}
 
 
 def build(family: str, preset: str):
@@ -65,7 +70,7 @@ def latent_channels(family: str, config: dict) -> int:
 def conditioning(family: str, config: dict, batch: int, text: int, g: torch.Generator) -> dict | torch.Tensor:
     if family == "dit":
         return torch.randint(0, config["num_embeds_ada_norm"], (batch,), generator=g)
-    width = config.get("joint_attention_dim") or config.get("caption_channels")
+    width = config.get("joint_attention_dim") or config.get("caption_channels") or config.get("text_dim")
     cond = {"encoder_hidden_states": torch.randn(batch, text, width, generator=g)}
     if family in ("flux", "sd3"):
         cond["pooled_projections"] = torch.randn(batch, config["pooled_projection_dim"], generator=g)
@@ -90,7 +95,9 @@ def measure(args, family: str) -> dict:
 
     g = torch.Generator().manual_seed(0)
     c = latent_channels(family, config)
-    x = torch.randn(args.batch, c, args.latent, args.latent, generator=g).to(device)
+    # Wan: (B, C, frames, H/2, W/2), as many tokens as the images' (B, C, H, W) at 2x2 patches when frames = 4.
+    shape = (c, args.frames, args.latent // 2, args.latent // 2) if family == "wan" else (c, args.latent, args.latent)
+    x = torch.randn(args.batch, *shape, generator=g).to(device)
     t = torch.rand(args.batch, generator=g).to(device)
     noise = torch.randn(x.shape, generator=g).to(device)
     cond = to(conditioning(family, config, args.batch, args.text, g), device)
@@ -110,7 +117,7 @@ def measure(args, family: str) -> dict:
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
         seconds = interleaved_medians(fns, args.repeats, args.warmup, device)
     route = routed_router.routes[0]
-    tokens = (args.latent // 2) ** 2
+    tokens = (args.latent // 2) ** 2 if family != "wan" else args.frames * (args.latent // 4) ** 2
     return {
         "model": family, "params_m": sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n) / 1e6,
         "trainable_m": sum(p.numel() for p in params) / 1e6, "depth": net.depth,
@@ -129,7 +136,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--train", default="lora", choices=["lora", "full"], help="LoRA on the attention projections, or all weights")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--latent", type=int, default=32, help="latent side; 32 with 2x2 patches gives 256 image tokens")
-    p.add_argument("--text", type=int, default=64, help="text tokens (Flux, SD3, PixArt)")
+    p.add_argument("--text", type=int, default=64, help="text tokens (Flux, SD3, PixArt, Wan)")
+    p.add_argument("--frames", type=int, default=4, help="Wan's latent frames (at half the latent side)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--policy", default="random")
     p.add_argument("--ratio", type=float, default=0.5)
