@@ -11,9 +11,9 @@ from conftest import CONFIGS, compose_cfg, run_module
 
 GROUPS = {g: sorted(p.stem for p in (CONFIGS / g).glob("*.yaml")) for g in ("backbone", "routing", "data")}
 # Latents need a cached folder (tests/test_latents.py covers them), Fashion-MNIST its apt package
-# (tests/test_fashion_mnist.py trains on fake idx files), and captions a pipeline to fine-tune (tests/test_captions.py
-# trains on them); every other option trains here.
-ELSEWHERE = (("data", "latents"), ("data", "fashion_mnist"), ("data", "captions"))
+# (tests/test_fashion_mnist.py trains on fake idx files), and captions and videos a pipeline to fine-tune
+# (tests/test_captions.py and tests/test_videos.py train on them); every other option trains here.
+ELSEWHERE = (("data", "latents"), ("data", "fashion_mnist"), ("data", "captions"), ("data", "videos"))
 TRAINABLE = [(g, o) for g, opts in GROUPS.items() for o in opts if (g, o) not in ELSEWHERE]
 
 

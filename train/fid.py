@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> float | None:
     loaded = None
     if args.checkpoint:
         loaded = load_run(args.checkpoint, accelerator.device)
+        if len(loaded.dataset.shape) != 3:
+            raise ConfigError(f"checkpoint '{loaded.checkpoint}' generates videos, which FID (Inception on images) does not score; "
+                              "sample them with python -m train.sample instead.")
         trained = objective_name(loaded.cfg)
         if args.objective and args.objective != trained:
             raise ConfigError(f"checkpoint '{loaded.checkpoint}' was trained with objective={trained}, not --objective "

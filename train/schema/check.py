@@ -251,6 +251,8 @@ def check_config(cfg: Any) -> None:
     _check_routing(typed.routing)
     _check_finetune(typed)
     fid = typed.fid
+    if fid.every and typed.data is not None and typed.data.name == "videos":
+        raise ConfigError("fid.every > 0 scores images with Inception, but data=videos trains a video model; set fid.every=0.")
     if fid.every and not fid.ref:
         raise ConfigError("fid.ref is not set but fid.every > 0: pass fid.ref=/path/to/ref.npz (mu, sigma) or a folder of real images, or fid.every=0.")
     for key_ in ("ref", "inception"):
@@ -313,9 +315,6 @@ def _check_finetune(cfg: DictConfig) -> None:
     f = cfg.finetune
     # Captioned data has its own checks (train/data/captions.py, videos.py); its captions replace the prompt table.
     captions = cfg.data is not None and cfg.data.get("name") in ("captions", "videos")
-    if cfg.data is not None and cfg.data.get("name") == "videos" and f.family != "wan":
-        raise ConfigError(f"data=videos trains a video model, but finetune.family={f.family}; fine-tune Wan (+experiment=finetune_wan "
-                          "finetune.pretrained=weights/Wan2.1-T2V-1.3B-Diffusers).")
     if f.family is None:
         stray = [k for k in ("pretrained", "prompts") if f[k] is not None]
         if stray:
