@@ -96,6 +96,10 @@ def precompose(config_name: str, overrides: list[str], check: Callable[[DictConf
             from train.data.captions import check_captions
 
             check_captions(cfg)
+        if training and check is None and cfg.data.name == "videos":  # likewise a clip's, and the sample's shape
+            from train.data.videos import check_videos
+
+            check_videos(cfg)
     except ConfigError as err:
         _refuse(err)
     return cfg
