@@ -18,10 +18,11 @@ result is already on disk, so a killed run continues where it stopped:
    structured (SPRINT's structured selection; 0.5 over blocks 2..-2, the preset's route), 3 seeds, `--steps` steps each (equal steps); then the routed policies
    again for as many steps as the dense run's median training time buys at their measured median step time
    (equal wall-clock).
-5. score: per run, 50 samples of each of classes 5-9 (25 per attribute; 28 Euler steps, no CFG), scored with the
-   project's Fashion-MNIST classifier: classifier-FD against 1000 held-out TEST images of classes 5-9, and class
-   accuracy (which of the ten classes the classifier sees). The untouched pretrained model and 250 real train
-   images (the floor) are scored the same way.
+5. score: per run, `--per-attr` samples of each (class, attribute) of classes 5-9 (default 10: 100 samples;
+   `--sample-steps` Euler steps, default 16; no CFG), scored with the project's Fashion-MNIST classifier:
+   classifier-FD against 1000 held-out TEST images of classes 5-9, and class accuracy (which of the ten classes
+   the classifier sees). The untouched pretrained model and as many real train images of classes 5-9 as samples
+   (the floor) are scored the same way.
 6. report: means over the 3 seeds with 95% t-intervals, differences to routing none paired by seed, sample grids.
 """
 
@@ -166,7 +167,7 @@ class Scorer:
         test_x = test.images[keep][torch.randperm(int(keep.sum()), generator=g)[:1000]]
         self.real = features(self.classifier, test_x)
         keep = torch.isin(train.labels, torch.tensor(list(LORA_CLASSES)))
-        pick = torch.randperm(int(keep.sum()), generator=g)[:250]
+        pick = torch.randperm(int(keep.sum()), generator=g)[: 10 * SETTINGS["per_attr"]]  # as many as the samples
         self.floor = self.score(train.images[keep][pick], train.labels[keep][pick])
 
     def score(self, samples: torch.Tensor, labels: torch.Tensor) -> dict:
@@ -175,8 +176,7 @@ class Scorer:
         return sample_scores(self.classifier, samples.clamp(-1, 1), labels, self.real)
 
 
-PER_ATTR = 25  # samples per (class, attribute): 50 per class, 250 in all
-PER_ATTR_SETTING = [PER_ATTR]  # --per-attr
+SETTINGS = {"per_attr": 10, "sample_steps": 16}  # --per-attr, --sample-steps: 100 samples, 16 Euler steps
 
 
 def sample_run(net, cfg, objective, captions: list[str], seed: int = 0, per_attr: int | None = None):
@@ -184,7 +184,7 @@ def sample_run(net, cfg, objective, captions: list[str], seed: int = 0, per_attr
     from edm import generate
     from train.build import sampling_objective
 
-    per_attr = per_attr or PER_ATTR_SETTING[0]
+    per_attr = per_attr or SETTINGS["per_attr"]
     rows, classes = [], []
     for c in LORA_CLASSES:
         for attr in ("small", "large"):
@@ -192,7 +192,7 @@ def sample_run(net, cfg, objective, captions: list[str], seed: int = 0, per_attr
             classes += [c] * per_attr
     rows, shape = torch.tensor(rows), (1, 32, 32)
     obj = sampling_objective(cfg, objective, net.model, shape)
-    x = generate(net, rows, shape=shape, steps=28, guidance=1.0, seed=seed, device="cpu", sampler="euler",
+    x = generate(net, rows, shape=shape, steps=SETTINGS["sample_steps"], guidance=1.0, seed=seed, device="cpu", sampler="euler",
                  null_label=len(captions), objective=obj, router=net.model.router)
     return x, torch.tensor(classes)
 
@@ -207,7 +207,7 @@ def score_run(run: Path, scorer: Scorer) -> dict:
     x, classes = sample_run(loaded.net, loaded.cfg, loaded.objective, loaded.dataset.captions)
     seconds, steps = train_seconds(run)
     result = {**scorer.score(x, classes), "train_seconds": seconds, "steps": steps}
-    torch.save(x[:: PER_ATTR_SETTING[0]].clone(), run / "grid.pt")  # 10 samples: one per (class, attribute)
+    torch.save(x[:: SETTINGS["per_attr"]].clone(), run / "grid.pt")  # 10 samples: one per (class, attribute)
     out.write_text(json.dumps(result) + "\n")
     return result
 
@@ -261,10 +261,11 @@ def main(argv=None) -> None:
     p.add_argument("--pretrain-steps", type=int, default=2000)
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--per-attr", type=int, default=PER_ATTR, help="samples per (class, attribute) when scoring")
+    p.add_argument("--per-attr", type=int, default=SETTINGS["per_attr"], help="samples per (class, attribute) when scoring")
+    p.add_argument("--sample-steps", type=int, default=SETTINGS["sample_steps"], help="Euler steps of each scored sample")
     p.add_argument("--classifier-cache", default=os.path.expanduser("~/.cache/tread-zoo"))
     args = p.parse_args(argv)
-    PER_ATTR_SETTING[0] = args.per_attr
+    SETTINGS.update(per_attr=args.per_attr, sample_steps=args.sample_steps)
     torch.set_num_threads(1)
     work, out = Path(args.work).resolve(), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)

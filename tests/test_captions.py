@@ -94,6 +94,14 @@ def test_flux_fine_tunes_on_two_aspect_ratios_then_samples_a_prompt(pipeline, tm
     trainer.save()
     trainer._release_run_dir()
 
+    # A prompt given to train.sample is encoded exactly as the training captions were (same encoders, same text length).
+    from train.data.prompts import encode_table, text_pipeline_of
+
+    table = ds.prompt_table()
+    again = encode_table("flux", text_pipeline_of(trainer.cfg), ["a red square"], like=table.tensors["encoder_hidden_states"])
+    row = ds.captions.index("a red square")
+    assert all(torch.equal(again.tensors[k][0], table.tensors[k][row]) for k in table.tensors)
+
     out = sample([str(tmp_path / "run"), "--prompt", "a red disk", "--prompt", "a blue square", "--per-class", "2", "--steps", "2",
                   "--size", "40x24", "--out", str(tmp_path / "grid.png")])
     with Image.open(out) as grid:

@@ -71,7 +71,9 @@ def main(argv: list[str] | None = None) -> Path:
     if args.prompt:
         if args.classes:
             raise ConfigError("give --prompt or --classes, not both.")
-        table = encode_table(loaded.cfg.finetune.family, text_pipeline_of(loaded.cfg), args.prompt, device=args.device)
+        # Encoded as the run's own conditioning was: the same text encoders and number of text tokens.
+        table = encode_table(loaded.cfg.finetune.family, text_pipeline_of(loaded.cfg), args.prompt, device=args.device,
+                             like=net.model.encoder_hidden_states)
         net.model.use_table({k: v.to(args.device) for k, v in table.tensors.items()})
         classes = table.num_classes  # one row per prompt; row P is the empty prompt, CFG's unconditional branch
         labels = torch.arange(classes).repeat_interleave(args.per_class)

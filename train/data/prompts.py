@@ -144,9 +144,15 @@ def encode_batch(pipe, family: str, texts: list[str], device, max_sequence_lengt
 
 
 def encode_table(family: str, folder: str | os.PathLike, prompts: list[str], *, device: str = "cpu", dtype: str = "fp32",
-                 max_sequence_length: int | None = None, batch_size: int = 16) -> PromptTable:
-    """Encode `prompts` and the empty prompt with the text encoders of the pipeline in `folder`."""
+                 max_sequence_length: int | None = None, batch_size: int = 16, like: torch.Tensor | None = None) -> PromptTable:
+    """Encode `prompts` and the empty prompt with the text encoders of the pipeline in `folder`.
+
+    `like`: a table's encoder_hidden_states (K + 1, L, D) whose text length the new rows must have, so that prompts
+    sampled from a run are encoded exactly as its training conditioning was (SD3: CLIP's tokens, then T5's).
+    """
     pipe = load_text_pipeline(family, folder, dtype).to(device)
+    if like is not None:
+        max_sequence_length = like.shape[1] - (pipe.tokenizer_max_length if family == "sd3" else 0)
     texts = [*prompts, ""]
     parts = [encode_batch(pipe, family, texts[i : i + batch_size], device, max_sequence_length) for i in range(0, len(texts), batch_size)]
     tensors = {name: torch.cat([p[name] for p in parts]).cpu() for name in parts[0]}
