@@ -24,6 +24,8 @@ result is already on disk, so a killed run continues where it stopped:
    the classifier sees). The untouched pretrained model and as many real train images of classes 5-9 as samples
    (the floor) are scored the same way.
 6. report: means over the 3 seeds with 95% t-intervals, differences to routing none paired by seed, sample grids.
+7. routed sampling: the equal-step routed runs scored again with routing forced at 0.5 over their trained routes
+   at sampling (train.sample --route-ratio 0.5), to see how much of their gap is the train/test mismatch of routing.
 """
 
 from __future__ import annotations
@@ -179,7 +181,7 @@ class Scorer:
 SETTINGS = {"per_attr": 10, "sample_steps": 16}  # --per-attr, --sample-steps: 100 samples, 16 Euler steps
 
 
-def sample_run(net, cfg, objective, captions: list[str], seed: int = 0, per_attr: int | None = None):
+def sample_run(net, cfg, objective, captions: list[str], seed: int = 0, per_attr: int | None = None, route_ratio: float = 0.0):
     """Samples of classes 5-9 (both attributes), their class labels (5..9) and the caption rows asked for."""
     from edm import generate
     from train.build import sampling_objective
@@ -193,7 +195,7 @@ def sample_run(net, cfg, objective, captions: list[str], seed: int = 0, per_attr
     rows, shape = torch.tensor(rows), (1, 32, 32)
     obj = sampling_objective(cfg, objective, net.model, shape)
     x = generate(net, rows, shape=shape, steps=SETTINGS["sample_steps"], guidance=1.0, seed=seed, device="cpu", sampler="euler",
-                 null_label=len(captions), objective=obj, router=net.model.router)
+                 null_label=len(captions), objective=obj, router=net.model.router, route_ratio=route_ratio)
     return x, torch.tensor(classes)
 
 
@@ -228,6 +230,24 @@ def score_base(pretrained: Path, lora_run: Path, scorer: Scorer, work: Path) -> 
     result = scorer.score(x, classes)
     out.write_text(json.dumps(result) + "\n")
     return result
+
+
+def routed_sampling(work: Path, out: Path, scorer: Scorer, seeds) -> None:
+    """Step 7: the equal-step routed runs, sampled with their routes forced at 0.5."""
+    from train.checkpoint import load_run
+
+    if (out / "routed_sampling.json").is_file():
+        return
+    runs = {}
+    for name in POLICIES[1:]:
+        runs[name] = []
+        for s in seeds:
+            loaded = load_run(work / "runs" / "lora" / f"{name}-steps-s{s}")
+            x, classes = sample_run(loaded.net, loaded.cfg, loaded.objective, loaded.dataset.captions, route_ratio=0.5)
+            runs[name].append(scorer.score(x, classes))
+    what = ("the equal-step routed LoRA runs sampled with routing forced at 0.5 over their trained routes (train.sample "
+            "--route-ratio 0.5); same samples, steps, seed and scorer as results.json")
+    (out / "routed_sampling.json").write_text(json.dumps({"what": what, "runs": runs}, indent=1) + "\n")
 
 
 # 6. Report.
@@ -316,7 +336,8 @@ def main(argv=None) -> None:
               "floor_real_train_images": scorer.floor, "pretrained_without_lora": base, "runs": runs, "summary": summary}
     (out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
     grids(work, out, seeds)
-    log(f"wrote {out / 'results.json'} and {out / 'samples.png'}")
+    routed_sampling(work, out, scorer, seeds)
+    log(f"wrote {out / 'results.json'}, {out / 'routed_sampling.json'} and {out / 'samples.png'}")
 
 
 if __name__ == "__main__":
