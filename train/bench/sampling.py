@@ -88,7 +88,7 @@ def rules(gammas: list[float], cfg_scales: list[float], rg_specs: list[str], pdg
     return out
 
 
-def sample(loaded, rule: Rule, labels: torch.Tensor, steps: int, seed: int, device) -> torch.Tensor:
+def sample(loaded, rule: Rule, labels: torch.Tensor, steps: int, seed: int, device, progress: bool = False) -> torch.Tensor:
     net, ds, router = loaded.net, loaded.dataset, loaded.net.model.router
     if rule.rg is not None:
         w, g1, g2 = rule.rg
@@ -96,7 +96,8 @@ def sample(loaded, rule: Rule, labels: torch.Tensor, steps: int, seed: int, devi
     if rule.pdg is not None:
         net = with_path_drop_guidance(net, router, rule.pdg, ds.num_classes)
     return generate(net, labels, shape=ds.shape, steps=rule.steps or steps, guidance=rule.cfg, seed=seed, device=device,
-                    null_label=ds.num_classes, objective=loaded.objective, router=router, route_ratio=rule.route_ratio)
+                    null_label=ds.num_classes, objective=loaded.objective, router=router, route_ratio=rule.route_ratio,
+                    progress=progress)
 
 
 def evaluations_per_image(loaded, rule: Rule, steps: int, device) -> int:
@@ -150,7 +151,8 @@ def evaluate(run: str, rule_list: list[Rule], args) -> list[dict]:
     for rule in rule_list:
         def measure(rule=rule) -> dict:
             flops = count_flops(lambda: sample(loaded, rule, labels[:1], args.steps, args.seed, args.device))
-            scores = sample_scores(classifier, sample(loaded, rule, labels, args.steps, args.seed, args.device), labels, real_features)
+            scores = sample_scores(classifier, sample(loaded, rule, labels, args.steps, args.seed, args.device, progress=True),
+                                   labels, real_features)
             print(f"{run} | {rule.name:24s} | {flops / 1e9:8.3f} GFLOPs/image | classifier-FD {scores['classifier_fd']:.3f} | "
                   f"class accuracy {scores['class_accuracy']:.1%}", flush=True)
             return {"gflops_per_image": flops / 1e9, "evaluations": evaluations_per_image(loaded, rule, args.steps, args.device),

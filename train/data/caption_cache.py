@@ -41,14 +41,20 @@ def cache_folder(cfg_data) -> Path:
     return Path(str(cfg_data.cache)).expanduser() if cfg_data.get("cache") else Path(str(cfg_data.path)).expanduser() / ".tread_cache"
 
 
+# What each captioned data kind needs from its pipeline folder, named in the refusals: (the folders, the VAE class, an example).
+NEEDS = {"captions": ("text_encoder*/ and tokenizer*/", "AutoencoderKL", "black-forest-labs/FLUX.1-dev"),
+         "videos": ("text_encoder/, tokenizer/ and vae/", "AutoencoderKLWan", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers")}
+
+
 def pipeline_folder(cfg) -> Path:
-    """The pipeline whose text encoders (and VAE) the captions need: data.pipeline, else finetune.pretrained."""
+    """The pipeline whose text encoders (and VAE) encode the data: data.pipeline, else finetune.pretrained."""
     folder = Path(str(cfg.data.get("pipeline") or cfg.finetune.pretrained)).expanduser()
     key = "data.pipeline" if cfg.data.get("pipeline") else "finetune.pretrained"
     if not (folder / "model_index.json").is_file():
-        raise ConfigError(f"data=captions encodes the captions with the pipeline's own text encoders, but {key}='{folder}' is not a "
-                          "diffusers pipeline folder (no model_index.json); point data.pipeline at one with text_encoder*/ and "
-                          "tokenizer*/ (e.g. `huggingface-cli download black-forest-labs/FLUX.1-dev --local-dir weights/FLUX.1-dev`).")
+        folders, _, example = NEEDS[cfg.data.name]
+        raise ConfigError(f"data={cfg.data.name} encodes the captions with the pipeline's own text encoders, but {key}='{folder}' is "
+                          f"not a diffusers pipeline folder (no model_index.json); point data.pipeline at one with {folders} "
+                          f"(e.g. `huggingface-cli download {example} --local-dir weights/{example.split('/')[1]}`).")
     return folder
 
 
@@ -58,8 +64,9 @@ def vae_folder(cfg) -> Path | None:
         return None
     folder = Path(str(cfg.data.vae)).expanduser() if cfg.data.get("vae") else pipeline_folder(cfg) / "vae"
     if not (folder / "config.json").is_file():
-        raise ConfigError(f"data=captions needs a VAE to encode the images, but '{folder}' holds no diffusers AutoencoderKL "
-                          "(config.json); give data.vae=<its folder>, or data.vae=pixels to train on the pixels themselves.")
+        raise ConfigError(f"data={cfg.data.name} needs a VAE to encode its data, but '{folder}' holds no diffusers "
+                          f"{NEEDS[cfg.data.name][1]} (config.json); give data.vae=<its folder>, or data.vae=pixels to train on the "
+                          "pixels themselves.")
     return folder
 
 

@@ -24,34 +24,12 @@ import torch
 from safetensors.torch import save_file
 
 from routing.errors import ConfigError
-from train.data.caption_cache import cache_folder, identity
+from train.data.caption_cache import PIXELS, cache_folder, identity, pipeline_folder, vae_folder
 from train.data.prompts import encode_table, read_table, write_table
-from train.data.videos import PIXELS, Clip, clip_array
+from train.data.videos import Clip, clip_array
 
 FORMAT = "tread-zoo-videos/1"
 MANIFEST, TEXT, LATENTS = "manifest.json", "text.safetensors", "videos.safetensors"
-
-
-def pipeline_folder(cfg) -> Path:
-    """The pipeline whose text encoder (and VAE) encode the data: data.pipeline, else finetune.pretrained."""
-    key = "data.pipeline" if cfg.data.get("pipeline") else "finetune.pretrained"
-    folder = Path(str(cfg.data.get("pipeline") or cfg.finetune.pretrained)).expanduser()
-    if not (folder / "model_index.json").is_file():
-        raise ConfigError(f"data=videos encodes the captions with the pipeline's own text encoder, but {key}='{folder}' is not a diffusers "
-                          "pipeline folder (no model_index.json); point data.pipeline at one with text_encoder/, tokenizer/ and vae/ "
-                          "(e.g. `huggingface-cli download Wan-AI/Wan2.1-T2V-1.3B-Diffusers --local-dir weights/Wan2.1-T2V-1.3B-Diffusers`).")
-    return folder
-
-
-def vae_folder(cfg) -> Path | None:
-    """The video VAE: data.vae, else the pipeline's vae/; None for data.vae=pixels."""
-    if cfg.data.get("vae") == PIXELS:
-        return None
-    folder = Path(str(cfg.data.vae)).expanduser() if cfg.data.get("vae") else pipeline_folder(cfg) / "vae"
-    if not (folder / "config.json").is_file():
-        raise ConfigError(f"data=videos needs Wan's video VAE to encode the clips, but '{folder}' holds no diffusers AutoencoderKLWan "
-                          "(config.json); give data.vae=<its folder>, or data.vae=pixels to train on the frames themselves.")
-    return folder
 
 
 def _key(value) -> str:

@@ -22,12 +22,12 @@ import numpy as np
 from PIL import Image, ImageSequence
 
 from routing.errors import ConfigError
+from train.data.caption_cache import PIXELS, vae_folder
 from train.data.captions import UNREADABLE
 from train.data.images import IMAGE_EXTENSIONS
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi")
 CLIP_EXTENSIONS = (".gif", *VIDEO_EXTENSIONS)
-PIXELS = "pixels"  # data.vae: train on the frames themselves (tiny CPU models)
 
 
 @dataclass(frozen=True)
@@ -177,8 +177,6 @@ def model_channels(cfg) -> int:
 
 def vae_factors(cfg) -> tuple[int, int, int]:
     """(temporal, spatial, channels) of the latents: the Wan VAE's (4, 8, z_dim), read from its config, or (1, 1, 3) for pixels."""
-    from train.data.video_cache import vae_folder
-
     folder = vae_folder(cfg)
     if folder is None:
         return 1, 1, 3
