@@ -27,7 +27,7 @@ def write_idx(path, array: np.ndarray, compress: bool = True) -> None:
 
 
 def fake_fashion(root, n_train: int = 6, n_test: int = 4, compress: bool = True):
-    """Train images hold the value 255 - i (one per image), test images 10 + i; labels i % 10 and 9 - i."""
+    """Train images hold the value 255 - i (one per image), test images 10 + i; labels i % 10 and (9 - i) % 10."""
     root.mkdir(parents=True, exist_ok=True)
     ext = ".gz" if compress else ""
     train = np.stack([np.full((28, 28), 255 - i) for i in range(n_train)])
@@ -35,7 +35,7 @@ def fake_fashion(root, n_train: int = 6, n_test: int = 4, compress: bool = True)
     write_idx(root / f"train-images-idx3-ubyte{ext}", train, compress)
     write_idx(root / f"train-labels-idx1-ubyte{ext}", np.arange(n_train) % 10, compress)
     write_idx(root / f"t10k-images-idx3-ubyte{ext}", test, compress)
-    write_idx(root / f"t10k-labels-idx1-ubyte{ext}", 9 - np.arange(n_test), compress)
+    write_idx(root / f"t10k-labels-idx1-ubyte{ext}", (9 - np.arange(n_test)) % 10, compress)
     return root
 
 
@@ -64,6 +64,13 @@ def test_read_idx_refuses_a_truncated_file(tmp_path):
     path.write_bytes(path.read_bytes()[:-5])
     with pytest.raises(ConfigError, match="truncated"):
         read_idx(path)
+
+
+def test_a_label_past_the_ten_classes_is_refused(tmp_path):
+    root = fake_fashion(tmp_path / "fm")
+    write_idx(root / "train-labels-idx1-ubyte.gz", np.array([0, 1, 2, 3, 4, 12]))
+    with pytest.raises(ConfigError, match=r"train-labels-idx1-ubyte\.gz' holds label 12.*10 classes"):
+        fashion_mnist(str(root), "train")
 
 
 def test_missing_files_name_the_apt_package_and_the_path_key(tmp_path):

@@ -62,6 +62,9 @@ def fashion_mnist(path: str = DEFAULT_PATH, split: str = "train", resolution: in
     images, labels = read_idx(files["images"]), read_idx(files["labels"])
     if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
         raise ConfigError(f"'{root}' holds images {images.shape} and labels {labels.shape}; expected (n, H, W) and (n,).")
+    if labels.size and labels.max() >= len(CLASSES):  # a label past the last class would index past the null label
+        raise ConfigError(f"'{files['labels']}' holds label {int(labels.max())}, but Fashion-MNIST has {len(CLASSES)} classes "
+                          f"(0-{len(CLASSES) - 1}); the file is damaged or from another dataset, so check data.path.")
     x = torch.from_numpy(images.astype(np.float32) / 127.5 - 1)[:, None]  # (n, H, W) -> (n, 1, H, W) in [-1, 1]
     # Pad with -1 (black, the clothes' background) so the object stays centred and the border is plain background.
     top, left = (resolution - x.shape[-2]) // 2, (resolution - x.shape[-1]) // 2
