@@ -115,6 +115,9 @@ def test_smoke_grid_writes_a_full_table_and_a_rerun_reuses_every_cell(tmp_path):
                line.startswith("| rwkv") or line.startswith("| mamba")]
     assert len(md_rows) == 9 and all(_filled(cell) for line in md_rows for cell in line.strip("|").split("|"))
     assert (out / "loss_vs_time.png").stat().st_size > 0 and (out / "bars.png").stat().st_size > 0
+    # Hydra's record and the job log are written by the bench into out_dir, once its checks passed.
+    assert "bench=smoke" in (out / ".hydra" / "overrides.yaml").read_text()
+    assert "table.md" in (out / "bench.log").read_text()
 
     cell_files = sorted((out / "cells").glob("*.json"))
     assert len(cell_files) == 9

@@ -409,6 +409,12 @@ CASES = [
     Case("bench_unknown_key", "bench", ["bogus=1", "out_dir={box}/bench"], names="bogus"),
     Case("bench_unknown_nested_key", "bench", ["grid.nonsense=1", "out_dir={box}/bench"], names="grid.nonsense"),
     Case("bench_unknown_mode", "bench", ["bench=nonexistent", "out_dir={box}/bench"], names="bench"),
+    # Refused inside the job, before its first write: out_dir (here a folder with Hydra's record) keeps every byte.
+    Case("bench_unknown_backbone", "bench", ["grid.backbones=[foo]", "out_dir={box}/run"], names="grid.backbones"),
+    Case("bench_negative_seed", "bench", ["seeds=[-1]", "out_dir={box}/run"], names="seeds"),
+    Case("bench_timing_resolution", "bench", ["timing.resolution=7", "out_dir={box}/run"], names="timing.resolution"),
+    Case("bench_speedups_missing", "bench", ["train.speedups_from={box}/nope.json", "out_dir={box}/run"],
+         names="train.speedups_from"),
 ]
 
 

@@ -176,11 +176,12 @@ class HydraRecord:
         hydra = copy.deepcopy(HydraConfig.instance().cfg)
         return cls(cfg, hydra, OmegaConf.to_container(hydra.hydra.overrides.task))
 
-    def write(self, run_dir: Path) -> None:
-        """`.hydra/` as Hydra writes it, with the run folder as the output folder, and `<job>.log` from now on."""
+    def write(self, run_dir: Path, key: str = "run_dir") -> None:
+        """`.hydra/` as Hydra writes it, with the run folder (config key `key`) as the output folder, and `<job>.log`
+        from now on."""
         hydra = OmegaConf.create(OmegaConf.to_container(self.hydra))  # a plain copy, interpolations kept as written
         # As Hydra records a job it ran in the run folder.
-        hydra.hydra.run.dir = "${run_dir}"
+        hydra.hydra.run.dir = f"${{{key}}}"
         hydra.hydra.output_subdir = ".hydra"
         hydra.hydra.runtime.output_dir = os.path.abspath(run_dir)
         folder = run_dir / ".hydra"

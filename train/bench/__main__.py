@@ -22,8 +22,10 @@ def check_settings(bench: DictConfig) -> None:
 @friendly_errors
 def main(bench: DictConfig) -> None:
     from train.bench.runner import run
+    from train.rundir import HydraRecord
 
-    run(bench)
+    # Hydra writes nothing before the job (configs/bench.yaml); the bench writes its record once its checks passed.
+    run(bench, record=HydraRecord.current(bench))
 
 
 def cli(argv: list[str]) -> None:

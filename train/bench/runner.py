@@ -52,6 +52,7 @@ from train.bench.timing import now, step_clock
 from train.build import objective_name
 from train.data import build_dataset
 from train.metrics.classifier import ClassifierConfig, load_or_train
+from train.rundir import HydraRecord
 
 log = logging.getLogger(__name__)
 
@@ -78,30 +79,52 @@ def parse_shard(text) -> tuple[int, int] | None:
     return i, n
 
 
+def speedups_source(bench: DictConfig) -> Path | None:
+    """The cost.json that `train.speedups_from` names (None: this bench's own), refused if it does not exist."""
+    source = bench.train.get("speedups_from")
+    if not source:
+        return None
+    path = Path(str(source)).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"train.speedups_from={source!r} does not exist; point it at another bench's cost.json "
+                          "(e.g. docs/bench/fashion/cost.json).")
+    return path
+
+
+def check_before_writing(bench: DictConfig, pairs: list) -> None:
+    """What the grid's training configs do not check and would otherwise refuse minutes into the cost phase."""
+    bad = [s for s in bench.seeds if isinstance(s, bool) or not isinstance(s, int) or s < 0]
+    if bad:
+        raise ConfigError(f"seeds={list(bench.seeds)} holds {bad[0]!r}; seeds are non-negative integers (e.g. seeds=[0,1,2]).")
+    resolution = bench.timing.resolution
+    for cell in pairs:
+        patch = cell.cfg.backbone.patch_size
+        if isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < 1 or resolution % patch:
+            raise ConfigError(f"timing.resolution={resolution!r} must be a positive multiple of backbone.patch_size={patch} "
+                              f"({cell.key}); e.g. timing.resolution={patch * 16}.")
+    speedups_source(bench)
+
+
 def budget_cost_cells(bench: DictConfig, own: dict, keys: list[str]) -> dict:
     """The cost cells whose measured speedups set the step budgets: this bench's own, or with
     `train.speedups_from` another bench's cost.json, so that two benches that differ only in what the step does
     not cost (the objective, say) train exactly the same step counts."""
-    source = bench.train.get("speedups_from")
-    if not source:
+    path = speedups_source(bench)
+    if path is None:
         return own
-    path = Path(str(source)).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"train.speedups_from={source!r} does not exist; point it at another bench's cost.json "
-                          "(e.g. bench_runs/fashion/cost.json).")
     theirs = json.loads(path.read_text())["cells"]
     missing = [key for key in keys if key not in theirs]
     if missing:
-        raise ConfigError(f"train.speedups_from={source!r} has no cost of {missing}; give a cost.json measured for those pairs.")
+        raise ConfigError(f"train.speedups_from={str(path)!r} has no cost of {missing}; give a cost.json measured for those pairs.")
     return theirs
 
 
-def run(bench: DictConfig) -> list[dict]:
+def run(bench: DictConfig, record: HydraRecord | None = None) -> list[dict]:
+    """The table of `bench`; `record` (Hydra's, from the command line) is written to out_dir once the checks passed."""
     began = time.perf_counter()
     if bench.threads:
         torch.set_num_threads(bench.threads)
     out = Path(bench.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     results = Path(bench.get("results_dir") or out)  # cost.json and cells/*.json: the small files a table is rebuilt from
     # Keys that only steer this invocation are checked before the cost phase, not minutes into it.
     shard = parse_shard(bench.get("shard"))
@@ -118,6 +141,10 @@ def run(bench: DictConfig) -> list[dict]:
     cfg = pairs[0].cfg
     dataset = build_dataset(cfg.data, cfg.edm.sigma_data)
     timing_shape = (dataset.shape[0], bench.timing.resolution, bench.timing.resolution)
+    check_before_writing(bench, pairs)
+    out.mkdir(parents=True, exist_ok=True)  # the first write: nothing before it can refuse
+    if record is not None:
+        record.write(out, key="out_dir")
 
     # Cost: one unit, because the steps of all cells are timed together.
     cost_settings = {"cells": {c.key: OmegaConf.to_container(c.cfg.backbone) | {"routing": OmegaConf.to_container(c.cfg.routing)}
