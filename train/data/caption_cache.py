@@ -104,7 +104,7 @@ def prepare_captions(cfg, device: str | torch.device = "cpu", log=print, items=N
     captions = sorted({item.caption for item in items})
     out = cache_folder(d)
     out.mkdir(parents=True, exist_ok=True)
-    old = _read_json(out / MANIFEST)
+    old = read_json(out / MANIFEST)
 
     # Text: the pipeline's own encoders, once for every distinct caption and the empty one.
     pipeline = pipeline_folder(cfg)
@@ -143,7 +143,7 @@ def prepare_captions(cfg, device: str | torch.device = "cpu", log=print, items=N
         log(f"data=captions: encoding {len(members)} images of bucket {size[0]}x{size[1]}"
             f"{' with the VAE in ' + str(vae_dir) if vae is not None else ' (pixels)'}")
         mean, std = _encode_bucket(Path(str(d.path)).expanduser(), [items[i].file for i in members], size, vae, space, device)
-        _save_atomic(out / name, {"mean": mean, "std": std})
+        save_atomic(out / name, {"mean": mean, "std": std})
 
     manifest = {
         "format": FORMAT, "family": family, "files": [item.file for item in items], "captions": captions,
@@ -182,7 +182,7 @@ def _pixels(file: Path, size, space: dict) -> torch.Tensor:
     return torch.from_numpy(array / 127.5 - 1).permute(2, 0, 1)  # (H, W, C) -> (C, H, W)
 
 
-def _save_atomic(path: Path, tensors: dict) -> None:
+def save_atomic(path: Path, tensors: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
@@ -191,7 +191,7 @@ def _save_atomic(path: Path, tensors: dict) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -200,7 +200,7 @@ def _read_json(path: Path) -> dict:
 
 def read_manifest(cfg_data) -> tuple[Path, dict]:
     folder = cache_folder(cfg_data)
-    manifest = _read_json(folder / MANIFEST)
+    manifest = read_json(folder / MANIFEST)
     if manifest.get("format") != FORMAT:
         raise ConfigError(f"data.path='{cfg_data.path}' has no caption cache in '{folder}' yet; the training command writes it "
                           "(python -m train ... data=captions data.path=...).")

@@ -32,17 +32,19 @@ class Captioned:
     stamp: tuple[int, int]  # (bytes, mtime in ns): a changed image invalidates its latents
 
 
-def read_caption(image: Path) -> str:
-    text_file = image.with_suffix(".txt")
+def read_caption(item: Path, text_file: Path | None = None, kind: str = "image") -> str:
+    """The caption of an image (or a clip: `kind`) from its sidecar text file (default: the item's name with .txt)."""
+    text_file = text_file or item.with_suffix(".txt")
     if not text_file.is_file():
-        raise ConfigError(f"image '{image}' has no caption file; write its caption to '{text_file}' (one line of text), "
-                          "or move the image out of data.path.")
+        raise ConfigError(f"{kind} '{item}' has no caption file; write its caption to '{text_file}' (one line of text), "
+                          f"or move the {kind} out of data.path.")
     try:
         caption = " ".join(text_file.read_text(encoding="utf-8").split())
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"caption file '{text_file}' is unreadable ({type(err).__name__}); save it again as UTF-8 text.") from None
     if not caption:
-        raise ConfigError(f"caption file '{text_file}' is empty; write the image's caption into it, or move the image out of data.path.")
+        raise ConfigError(f"caption file '{text_file}' is empty; write the {kind}'s caption into it, or move the {kind} out of "
+                          "data.path.")
     return caption
 
 

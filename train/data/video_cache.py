@@ -21,10 +21,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from routing.errors import ConfigError
-from train.data.caption_cache import PIXELS, cache_folder, identity, pipeline_folder, vae_folder
+from train.data.caption_cache import PIXELS, cache_folder, identity, pipeline_folder, read_json, save_atomic, vae_folder
 from train.data.prompts import encode_table, read_table, write_table
 from train.data.videos import Clip, clip_array
 
@@ -36,19 +35,12 @@ def _key(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def prepare_videos(cfg, clips: list[Clip], device="cpu", log=print) -> Path:
     """(Re)write whatever part of the cache of data.path is out of date; returns the cache folder."""
     d = cfg.data
     root, out = Path(str(d.path)).expanduser(), cache_folder(d)
     out.mkdir(parents=True, exist_ok=True)
-    old = _read_json(out / MANIFEST)
+    old = read_json(out / MANIFEST)
     captions = sorted({clip.caption for clip in clips})
 
     pipeline = pipeline_folder(cfg)
@@ -76,7 +68,7 @@ def prepare_videos(cfg, clips: list[Clip], device="cpu", log=print) -> Path:
         log(f"data=videos: encoding {len(clips)} clips of {d.frames} frames at {d.width}x{d.height}"
             f"{' with the VAE in ' + str(vae_dir) if vae_dir is not None else ' (pixels)'}")
         mean, std = _encode(root, clips, sample, vae_dir, device)
-        _save_atomic(out / LATENTS, {"mean": mean, "std": std})
+        save_atomic(out / LATENTS, {"mean": mean, "std": std})
 
     manifest = {"format": FORMAT, "family": "wan", "files": [c.file for c in clips], "captions": captions,
                 "labels": [captions.index(c.caption) for c in clips], "space": space, "sample": sample,
@@ -110,18 +102,9 @@ def _encode(root: Path, clips: list[Clip], sample: dict, vae_dir: Path | None, d
     return torch.cat(means), torch.cat(stds)
 
 
-def _save_atomic(path: Path, tensors: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def read_manifest(cfg_data) -> tuple[Path, dict]:
     folder = cache_folder(cfg_data)
-    manifest = _read_json(folder / MANIFEST)
+    manifest = read_json(folder / MANIFEST)
     if manifest.get("format") != FORMAT:
         raise ConfigError(f"data.path='{cfg_data.path}' has no video cache in '{folder}' yet; the training command writes it "
                           "(python -m train +experiment=finetune_wan data.path=...).")

@@ -24,6 +24,7 @@ from PIL import Image, ImageSequence
 from routing.errors import ConfigError
 from train.data.caption_cache import PIXELS, vae_folder
 from train.data.captions import UNREADABLE
+from train.data.captions import read_caption as read_sidecar
 from train.data.images import IMAGE_EXTENSIONS
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi")
@@ -57,17 +58,8 @@ def clip_paths(root: Path) -> list[Path]:
 
 
 def read_caption(clip: Path) -> str:
-    text_file = clip.with_suffix(".txt") if clip.is_file() else clip.parent / f"{clip.name}.txt"
-    if not text_file.is_file():
-        raise ConfigError(f"clip '{clip}' has no caption file; write its caption to '{text_file}' (one line of text), or move the "
-                          "clip out of data.path.")
-    try:
-        caption = " ".join(text_file.read_text(encoding="utf-8").split())
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"caption file '{text_file}' is unreadable ({type(err).__name__}); save it again as UTF-8 text.") from None
-    if not caption:
-        raise ConfigError(f"caption file '{text_file}' is empty; write the clip's caption into it, or move the clip out of data.path.")
-    return caption
+    """A clip's caption: name.txt beside a clip file, or beside its frame folder."""
+    return read_sidecar(clip, clip.with_suffix(".txt") if clip.is_file() else clip.parent / f"{clip.name}.txt", "clip")
 
 
 def _unreadable(clip: Path, err: BaseException) -> ConfigError:
