@@ -35,7 +35,7 @@ def test_sampling_study_rules_parse_and_refuse_bad_routing_guidance():
         rules([], [], ["2"])
 
 
-def test_sampling_study_groups_training_seeds_and_compares_objectives(tmp_path):
+def test_sampling_study_groups_training_seeds_and_compares_objectives(tmp_path, monkeypatch):
     import json
 
     from conftest import run_module
@@ -54,13 +54,16 @@ def test_sampling_study_groups_training_seeds_and_compares_objectives(tmp_path):
                           "seeds=[0,1]", "eval.keep_final=true", f"overrides=[\"data.resolution=8\",\"objective={objective}\"]",
                           *budgets[objective], timeout=240)
         assert done.returncode == 0, done.stderr[-3000:]
-        runs += [str(out / "runs" / f"dit-random-s{seed}") for seed in (0, 1)]
+        runs += [f"{objective}/runs/dit-random-s{seed}" for seed in (0, 1)]
+    monkeypatch.chdir(tmp_path)  # runs given relative to the working directory, as a user in a clone gives them
     study = [*runs, "--gammas", "0.5", "--cfg", "2", "--rg", "2,0,0.5", "2,0,0.5,uncond", "--steps", "2", "--per-class", "2",
              "--num-real", "16", "--cache-dir", str(tmp_path / "edm" / "classifier"), "--threads", "1", "--out", str(tmp_path / "study")]
     sampling.main(study[:2] + study[4:])  # the EDM runs first (a separate process could take the flow runs)
     sampling.main(study)  # all runs: the EDM rows are reused, not sampled again
     saved = sorted((tmp_path / "study" / "rows").glob("*.json"))
     assert len(saved) == 4 * 5
+    # Rows name their checkpoint relative to the working directory, so rows committed from one clone serve another.
+    assert json.loads(saved[0].read_text())["settings"]["checkpoint"].startswith(("edm/runs/", "flow/runs/"))
     mtimes = [p.stat().st_mtime_ns for p in saved]
     first = json.loads((tmp_path / "study" / "table.json").read_text())
     sampling.main(study)

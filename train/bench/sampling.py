@@ -147,6 +147,9 @@ def evaluate(run: str, rule_list: list[Rule], args) -> list[dict]:
     labels = grid_labels(ds.num_classes, args.per_class)
     if args.match_flops:
         rule_list = at_matched_flops(loaded, rule_list, labels, args)
+    # Relative to the working directory when under it, so rows committed from one clone are reused in another.
+    checkpoint = loaded.checkpoint.resolve()
+    checkpoint = checkpoint.relative_to(Path.cwd()) if checkpoint.is_relative_to(Path.cwd()) else checkpoint
     rows = []
     for rule in rule_list:
         def measure(rule=rule) -> dict:
@@ -157,10 +160,10 @@ def evaluate(run: str, rule_list: list[Rule], args) -> list[dict]:
                   f"class accuracy {scores['class_accuracy']:.1%}", flush=True)
             return {"gflops_per_image": flops / 1e9, "evaluations": evaluations_per_image(loaded, rule, args.steps, args.device),
                     **scores}
-        settings = {"checkpoint": str(loaded.checkpoint.resolve()), "step": loaded.step, "rule": asdict(rule),
+        settings = {"checkpoint": str(checkpoint), "step": loaded.step, "rule": asdict(rule),
                     "steps": args.steps, "per_class": args.per_class, "num_real": count, "seed": args.seed,
                     "classifier": meta["config"], "device": args.device}
-        name = f"{loaded.checkpoint.resolve()}-{rule.name}{f'-{rule.steps}steps' if rule.steps else ''}".replace("/", "_").replace(" ", "_")
+        name = f"{checkpoint}-{rule.name}{f'-{rule.steps}steps' if rule.steps else ''}".replace("/", "_").replace(" ", "_")
         measured = reuse_or_compute(args.out / "rows" / f"{name}.json", settings, measure, f"{run}: {rule.name}")
         rows.append({"run": run, "group": group_of(loaded.cfg), "seed": loaded.cfg.seed, "step": loaded.step, "rule": rule.name,
                      "kind": rule.kind, "sampler_steps": rule.steps or args.steps,
