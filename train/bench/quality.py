@@ -88,7 +88,7 @@ class Evaluation:
         sampled = LoadRecorder(net) if moe_layers(net) else net
         samples = generate(sampled, self.sample_labels, shape=self.dataset.shape, steps=self.cfg.steps, guidance=self.cfg.guidance,
                            seed=self.cfg.seed, device=self.device, null_label=self.dataset.num_classes,
-                           objective=self.objective).cpu()
+                           objective=self.objective, progress=True).cpu()  # minutes for a scan model on a CPU
         scores = {"ema_loss": loss, **sample_scores(self.classifier, samples, self.sample_labels, self.real_features)}
         if sampled is not net:
             experts = torch.stack(sampled.loads).mean().item()  # over evaluations, samples, MoE layers and tokens
@@ -191,7 +191,7 @@ def score_checkpoints(ema: nn.Module, root: Path, evaluation: Evaluation, metric
     net = copy.deepcopy(ema)
     curve = {"step": [], "seconds": [], "ema_loss": []}
     at = {"at_step": at_step, "at_step_ema_loss": None, "at_step_classifier_fd": None, "at_step_class_accuracy": None}
-    for ckpt in sorted(root.glob("step_*")):
+    for ckpt in tqdm(sorted(root.glob("step_*")), desc="quality: checkpoints", leave=False, dynamic_ncols=True):
         step = int(ckpt.name.removeprefix("step_"))
         net.load_state_dict(load_file(str(ckpt / "ema.safetensors")))
         curve["step"].append(step)
