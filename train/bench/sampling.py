@@ -129,7 +129,10 @@ def group_of(cfg) -> str:
 def at_matched_flops(loaded, rule_list: list[Rule], labels, args) -> list[Rule]:
     """Every rule with the sampler steps that spend CFG's FLOPs per image at --steps (train/bench/matched.py)."""
     def flops_at(rule: Rule, steps: int) -> int:
-        return count_flops(lambda: sample(loaded, replace(rule, steps=steps), labels[:1], steps, args.seed, args.device))
+        flops = count_flops(lambda: sample(loaded, replace(rule, steps=steps), labels[:1], steps, args.seed, args.device))
+        # Each count samples one image under the FLOP counter (minutes on a slow CPU backbone): say where the search is.
+        print(f"matching FLOPs: {rule.name} at {steps} sampler steps: {flops / 1e9:.3f} GFLOPs/image", flush=True)
+        return flops
 
     budget = flops_at(Rule("CFG", "cfg", cfg=2.0), args.steps)
     return [replace(rule, steps=matched.matched_steps(functools.cache(functools.partial(flops_at, rule)), budget, args.steps))
