@@ -14,7 +14,7 @@ from train.bench.cost import speedups
 from train.metrics.classifier import ClassifierConfig, SmallCNN, cache_path, features, load_or_train, sample_scores
 from train.data.embedded import TensorDataset
 from routing import count_flops
-from conftest import CONFIGS, run_module
+from conftest import CONFIGS, run_cli
 
 
 class MLPBlock(nn.Module):
@@ -93,7 +93,7 @@ def _filled(value) -> bool:
 
 def test_smoke_grid_writes_a_full_table_and_a_rerun_reuses_every_cell(tmp_path):
     out = tmp_path / "bench"
-    first = run_module("train.bench", "bench=smoke", f"out_dir={out}", timeout=240)
+    first = run_cli("train.bench", "bench=smoke", f"out_dir={out}")
     assert first.returncode == 0, first.stderr[-3000:]
 
     table = json.loads((out / "table.json").read_text())
@@ -122,7 +122,7 @@ def test_smoke_grid_writes_a_full_table_and_a_rerun_reuses_every_cell(tmp_path):
     cell_files = sorted((out / "cells").glob("*.json"))
     assert len(cell_files) == 9
     mtimes = {p: p.stat().st_mtime_ns for p in [*cell_files, out / "cost.json"]}
-    second = run_module("train.bench", "bench=smoke", f"out_dir={out}", timeout=240)
+    second = run_cli("train.bench", "bench=smoke", f"out_dir={out}")
     assert second.returncode == 0, second.stderr[-3000:]
     log = second.stdout + second.stderr
     assert log.count("reused cell") == 9 and "reused cost measurements" in log
@@ -132,8 +132,8 @@ def test_smoke_grid_writes_a_full_table_and_a_rerun_reuses_every_cell(tmp_path):
 def test_moe_table_matches_activated_parameters_and_keeps_final_checkpoints(tmp_path):
     # DiffMoE and its baselines as rows of one table: dit is the dense baseline, tc and ec are variants of the diffmoe family.
     out = tmp_path / "bench"
-    done = run_module("train.bench", "bench=smoke", f"out_dir={out}", "grid.backbones=[dit,tc,ec,diffmoe]",
-                      "grid.routings=[none,random]", "eval.keep_final=true", timeout=240)
+    done = run_cli("train.bench", "bench=smoke", f"out_dir={out}", "grid.backbones=[dit,tc,ec,diffmoe]",
+                      "grid.routings=[none,random]", "eval.keep_final=true")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {(r["backbone"], r["routing"]): r for r in json.loads((out / "table.json").read_text())["rows"]}
     assert set(rows) == {(b, r) for b in ("dit", "tc", "ec", "diffmoe") for r in ("none", "random")}
@@ -196,7 +196,7 @@ def test_report_compares_routed_rows_with_unrouted_and_moe_rows_with_their_basel
 def test_a_cell_killed_after_its_last_checkpoint_resumes_and_measured_only_trains_nothing(tmp_path):
     out = tmp_path / "bench"
     args = ("bench=smoke", f"out_dir={out}", "grid.backbones=[dit]", "grid.routings=[none]", "eval.every=1", "eval.keep_final=true")
-    first = run_module("train.bench", *args, timeout=240)
+    first = run_cli("train.bench", *args)
     assert first.returncode == 0, first.stderr[-3000:]
     cell = out / "cells" / "dit-none-s0.json"
     before = json.loads(cell.read_text())
@@ -204,7 +204,7 @@ def test_a_cell_killed_after_its_last_checkpoint_resumes_and_measured_only_train
 
     # Killed while scoring: the final checkpoint is on disk, the cell's result is not.
     cell.unlink()
-    second = run_module("train.bench", *args, timeout=240)
+    second = run_cli("train.bench", *args)
     assert second.returncode == 0, second.stderr[-3000:]
     after = json.loads(cell.read_text())
     assert "resumed from" in second.stdout + second.stderr
@@ -214,7 +214,7 @@ def test_a_cell_killed_after_its_last_checkpoint_resumes_and_measured_only_train
         assert after[key] == pytest.approx(before[key], rel=1e-6), key
 
     # The table from what is measured: seed 1 is missing, named, and not trained.
-    partial = run_module("train.bench", *args, "seeds=[0,1]", "measured_only=true", timeout=240)
+    partial = run_cli("train.bench", *args, "seeds=[0,1]", "measured_only=true")
     assert partial.returncode == 0, partial.stderr[-3000:]
     assert "dit-none-s1" in partial.stdout + partial.stderr and not (out / "runs" / "dit-none-s1").exists()
     assert [r["seeds"] for r in json.loads((out / "table.json").read_text())["rows"]] == [1]
@@ -223,7 +223,7 @@ def test_a_cell_killed_after_its_last_checkpoint_resumes_and_measured_only_train
 
 @pytest.mark.parametrize("key", ["measured_only=maybe", "shard=2/2"])
 def test_a_bad_invocation_key_is_one_sentence_before_any_work(tmp_path, key):
-    bad = run_module("train.bench", "bench=smoke", f"out_dir={tmp_path / 'bench'}", key, timeout=120)
+    bad = run_cli("train.bench", "bench=smoke", f"out_dir={tmp_path / 'bench'}", key)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
     assert key.split("=")[0] in bad.stderr
     assert not (tmp_path / "bench" / "cost.json").exists()  # refused before the cost phase

@@ -7,7 +7,7 @@ import pytest
 
 from routing import ConfigError
 from train.trainer import Trainer, check_config
-from conftest import CONFIGS, compose_cfg, run_module
+from conftest import CONFIGS, compose_cfg, run_cli
 
 GROUPS = {g: sorted(p.stem for p in (CONFIGS / g).glob("*.yaml")) for g in ("backbone", "routing", "data")}
 # Latents need a cached folder (tests/test_latents.py covers them), Fashion-MNIST its apt package
@@ -81,11 +81,11 @@ def test_batch_not_divisible_by_processes(cfg_factory):
 )
 def test_cli_errors_are_one_sentence(override, message, tmp_path):
     if message is None:  # a control: a good override must run
-        result = run_module("train", override, "trainer.max_steps=1", "trainer.batch_size=2", "trainer.sample_every=0",
+        result = run_cli("train", override, "trainer.max_steps=1", "trainer.batch_size=2", "trainer.sample_every=0",
                             "trainer.ckpt_every=0", "trainer.cpu=true", f"run_dir={tmp_path}")
         assert result.returncode == 0, result.stderr
         return
-    result = run_module("train", override, f"run_dir={tmp_path}")
+    result = run_cli("train", override, f"run_dir={tmp_path}")
     assert result.returncode != 0
     assert message in result.stderr
     assert "Traceback" not in result.stderr

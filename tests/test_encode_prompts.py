@@ -11,7 +11,7 @@ import torch
 from train.data.prompts import read_table
 from train.encode_prompts import main
 from train.trainer import Trainer
-from conftest import FAST, compose_cfg, run_module
+from conftest import FAST, compose_cfg, run_cli
 from tiny_pipelines import TEXT_WIDTH, flux_pipeline, pixart_pipeline, sd3_pipeline
 
 PROMPTS = ["a photo of a shirt", "a photo of a trouser"]
@@ -80,7 +80,7 @@ def test_missing_or_partial_pipelines_are_refused_naming_what_to_fetch(pipelines
 
 def test_random_stand_in_from_the_command_line(tmp_path, capsys):
     (tmp_path / "classes.txt").write_text("a T-shirt\na trouser\n\na pullover\n")
-    result = run_module("train.encode_prompts", "--family", "pixart", "--random", "5,24", "--prompts-file", str(tmp_path / "classes.txt"),
+    result = run_cli("train.encode_prompts", "--family", "pixart", "--random", "5,24", "--prompts-file", str(tmp_path / "classes.txt"),
                         "--out", str(tmp_path / "p.safetensors"))
     assert result.returncode == 0, result.stderr
     assert "RANDOM STAND-IN" in result.stdout

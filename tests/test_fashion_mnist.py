@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import compose_cfg, run_module
+from conftest import compose_cfg, run_cli
 from routing.errors import ConfigError
 from train.bench.quality import held_out_split
 from train.bench.stats import summary, verdict, welch_difference
@@ -77,8 +77,8 @@ def test_missing_files_name_the_apt_package_and_the_path_key(tmp_path):
     with pytest.raises(ConfigError, match=r"apt-get install dataset-fashion-mnist.*data\.path"):
         fashion_mnist(str(tmp_path / "nowhere"), "train")
     # As a user sees it: one sentence and exit status 2, no traceback.
-    result = run_module("train", "data=fashion_mnist", f"data.path={tmp_path / 'nowhere'}", "trainer.cpu=true",
-                        f"run_dir={tmp_path / 'run'}", timeout=120)
+    result = run_cli("train", "data=fashion_mnist", f"data.path={tmp_path / 'nowhere'}", "trainer.cpu=true",
+                        f"run_dir={tmp_path / 'run'}")
     assert result.returncode == 2, result.stderr[-2000:]
     assert "apt-get install dataset-fashion-mnist" in result.stderr + result.stdout
     assert "Traceback" not in result.stderr

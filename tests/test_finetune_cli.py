@@ -18,7 +18,7 @@ from train.checkpoint import load_run
 from train.data.prompts import random_table, write_table
 from train.schema import check_config
 from train.trainer import Trainer
-from conftest import FAST, compose_cfg, run_module
+from conftest import FAST, compose_cfg, run_cli
 
 # Tiny models for data=digits (1 channel, 16x16, 10 classes): 8x8 image tokens, 4 routed blocks, 2 heads.
 TINY = {
@@ -91,7 +91,7 @@ def test_cli_fine_tunes_flux_keeping_only_the_adapter_then_samples(models, tmp_p
     preset = ["+experiment=finetune_flux", f"finetune.pretrained={models['flux']}", f"finetune.prompts={models['flux_prompts']}",
               "finetune.dtype=fp32", "finetune.gradient_checkpointing=false", "trainer.mixed_precision=no", "trainer.lr=1e-2",
               "finetune.lora.rank=4", "finetune.lora.alpha=8", "finetune.lora.targets=attention_mlp", "data=digits"]
-    result = run_module("train", *preset, *FAST, "trainer.max_steps=3", "trainer.ckpt_every=3", f"run_dir={run}")
+    result = run_cli("train", *preset, *FAST, "trainer.max_steps=3", "trainer.ckpt_every=3", f"run_dir={run}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"flux from {models['flux']}" in result.stdout
 
@@ -124,7 +124,7 @@ def test_cli_fine_tunes_flux_keeping_only_the_adapter_then_samples(models, tmp_p
         assert torch.equal(adapt(ours_too).reference(x, t, cond), ours)
 
     out = tmp_path / "grid.png"
-    sampled = run_module("train.sample", str(run), "--steps", "2", "--per-class", "1", "--guidance", "2", "--out", str(out))
+    sampled = run_cli("train.sample", str(run), "--steps", "2", "--per-class", "1", "--guidance", "2", "--out", str(out))
     assert sampled.returncode == 0, sampled.stderr[-3000:]
     from PIL import Image
 

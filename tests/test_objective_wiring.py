@@ -8,7 +8,7 @@ import pytest
 
 from routing import ConfigError
 from train.trainer import Trainer
-from conftest import FAST, compose_cfg, run_module
+from conftest import FAST, compose_cfg, run_cli
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -31,7 +31,7 @@ def test_a_checkpoint_refuses_the_other_objective(tmp_path):
     Trainer(compose_cfg(*FAST, "trainer.ckpt_every=2", f"run_dir={run}")).fit()
     with pytest.raises(ConfigError, match=r"different objective config"):
         Trainer(compose_cfg(*FAST, f"run_dir={run}", "resume=true", "objective=flow"))
-    refused = run_module("train.sample", str(run), "--objective", "flow", "--steps", "2", "--per-class", "1")
+    refused = run_cli("train.sample", str(run), "--objective", "flow", "--steps", "2", "--per-class", "1")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "trained with objective=edm" in refused.stderr
 
@@ -39,13 +39,13 @@ def test_a_checkpoint_refuses_the_other_objective(tmp_path):
 def test_routed_inference_and_routing_guidance_sample_a_flow_model(tmp_path):
     run = tmp_path / "run"
     Trainer(compose_cfg(*FAST, "objective=flow", "routing=random", "trainer.ckpt_every=2", f"run_dir={run}")).fit()
-    routed = run_module("train.sample", str(run), "--objective", "flow", "--steps", "2", "--per-class", "1",
+    routed = run_cli("train.sample", str(run), "--objective", "flow", "--steps", "2", "--per-class", "1",
                         "--route-ratio", "0.5", "--out", str(tmp_path / "routed.png"))
     assert routed.returncode == 0, routed.stderr
     # Forcing half the tokens past the route makes each evaluation cheaper than the unrouted network.
     ratio = float(re.search(r"the unguided network [0-9.]+ G \(([0-9.]+)x\)", routed.stdout).group(1))
     assert ratio < 1.0
-    guided = run_module("train.sample", str(run), "--steps", "2", "--per-class", "1", "--rg-scale", "2",
+    guided = run_cli("train.sample", str(run), "--steps", "2", "--per-class", "1", "--rg-scale", "2",
                         "--rg-gamma1", "0.2", "--rg-gamma2", "0.6", "--out", str(tmp_path / "guided.png"))
     assert guided.returncode == 0, guided.stderr
     # Two branches, each routed: more than one unrouted evaluation, less than two.
@@ -59,7 +59,7 @@ def test_diffmoe_trains_with_logged_auxiliary_losses_and_samples_at_a_capacity_t
     Trainer(compose_cfg(*FAST, "backbone=diffmoe", "trainer.ckpt_every=2", f"run_dir={run}")).fit()
     logged = metrics(run)[-1]
     assert logged["moe_capacity_predictor"] > 0
-    result = run_module("train.sample", str(run), "--steps", "2", "--per-class", "1", "--moe-target", "1.0",
+    result = run_cli("train.sample", str(run), "--steps", "2", "--per-class", "1", "--moe-target", "1.0",
                         "--out", str(tmp_path / "moe.png"))
     assert result.returncode == 0, result.stderr
 

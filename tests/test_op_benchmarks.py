@@ -38,7 +38,7 @@ def test_sampling_study_rules_parse_and_refuse_bad_routing_guidance():
 def test_sampling_study_groups_training_seeds_and_compares_objectives(tmp_path, monkeypatch):
     import json
 
-    from conftest import run_module
+    from conftest import run_cli
     from train.bench import sampling
 
     # The flow bench takes its routed budget from another bench's measured speedup (train.speedups_from): here a
@@ -50,9 +50,9 @@ def test_sampling_study_groups_training_seeds_and_compares_objectives(tmp_path, 
     runs = []
     for objective in ("edm", "flow"):
         out = tmp_path / objective
-        done = run_module("train.bench", "bench=smoke", f"out_dir={out}", "grid.backbones=[dit]", "grid.routings=[random]",
+        done = run_cli("train.bench", "bench=smoke", f"out_dir={out}", "grid.backbones=[dit]", "grid.routings=[random]",
                           "seeds=[0,1]", "eval.keep_final=true", f"overrides=[\"data.resolution=8\",\"objective={objective}\"]",
-                          *budgets[objective], timeout=240)
+                          *budgets[objective])
         assert done.returncode == 0, done.stderr[-3000:]
         runs += [f"{objective}/runs/dit-random-s{seed}" for seed in (0, 1)]
     monkeypatch.chdir(tmp_path)  # runs given relative to the working directory, as a user in a clone gives them

@@ -12,7 +12,6 @@ import fcntl
 import functools
 import hashlib
 import json
-import logging
 import os
 import shutil
 import sys
@@ -27,16 +26,10 @@ from PIL import Image
 from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file
 
-import train.__main__ as train_main
-import train.bench.__main__ as bench_main
-import train.cache_latents as cache_main
-import train.encode_prompts as prompts_main
-import train.fid as fid_main
-import train.sample as sample_main
 from train.cli import friendly_errors, precompose
 from train.data.prompts import random_table, write_table
 from train.trainer import Trainer
-from conftest import FAST
+from conftest import FAST, as_a_command, entry_point
 from test_finetune_cli import TABLE_SIZES, write_pretrained
 
 TINY = ["backbone.depth=2", "backbone.hidden_size=32"]  # a model of a few hundred KB, so the sandbox copies fast
@@ -65,8 +58,7 @@ def write_latents(folder: Path, labels=(0, 1, 0, 1, 0, 1), label_dtype=np.int64)
 def template(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("template")
     # Trained as `python -m train` does, so the run has Hydra's record (.hydra/) that a refusal must not touch.
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        run_in_process("train-hydra", [*FAST, *TINY, "trainer.ckpt_every=2", f"run_dir={root / 'run'}"], monkeypatch)
+    run_in_process("train-hydra", [*FAST, *TINY, "trainer.ckpt_every=2", f"run_dir={root / 'run'}"])
     assert (root / "run/.hydra/overrides.yaml").is_file() and (root / CKPT).is_dir()
     write_latents(root / "lat")
     for name in ("a", "b"):
@@ -431,20 +423,14 @@ def train_without_hydra(argv: list[str]) -> None:
     friendly_errors(lambda: Trainer(cfg).fit())()
 
 
-def run_in_process(command: str, argv: list[str], monkeypatch) -> None:
+MODULES = {"train-hydra": "train", "bench": "train.bench", "sample": "train.sample", "fid": "train.fid",
+           "cache": "train.cache_latents", "prompts": "train.encode_prompts"}
+
+
+def run_in_process(command: str, argv: list[str]) -> None:
     """The command's entry point, as `python -m ...` runs it (it is expected to exit)."""
-    entry = {"train-hydra": train_main.cli, "train": train_without_hydra, "bench": bench_main.cli, "sample": sample_main.main,
-             "fid": friendly_errors(fid_main.main), "cache": friendly_errors(cache_main.main), "prompts": prompts_main.main}[command]
-    monkeypatch.setattr(sys, "argv", [command])
-    root, handlers, level = logging.getLogger(), logging.getLogger().handlers[:], logging.getLogger().level
-    try:
-        entry(argv)
-    finally:  # Hydra's job logging points at pytest's captured streams; put the test session's back
-        for handler in root.handlers[:]:
-            if handler not in handlers:
-                root.removeHandler(handler)
-                handler.close()
-        root.handlers[:], root.level = handlers, level
+    with as_a_command([command]):
+        (train_without_hydra if command == "train" else entry_point(MODULES[command]))(argv)
 
 
 def test_the_battery_is_large_and_every_command_is_in_it():
@@ -462,7 +448,7 @@ def test_refused_in_one_sentence_and_nothing_on_disk_changes(case, template, sha
     argv = [functools.reduce(lambda a, kv: a.replace(kv[0], str(kv[1])), places.items(), arg) for arg in case.args]
     try:
         with pytest.raises(SystemExit) as exit_:
-            run_in_process(case.command, argv, monkeypatch)
+            run_in_process(case.command, argv)
     finally:
         if callable(release):
             release()

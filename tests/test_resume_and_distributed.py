@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from routing import ConfigError
 from train.trainer import Trainer
-from conftest import FAST, ROOT, compose_cfg, run_module
+from conftest import FAST, ROOT, compose_cfg, run_cli
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -69,7 +69,7 @@ def test_resume_refuses_a_checkpoint_from_another_config(tmp_path):
 
 def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
     args = [*FAST, "trainer.max_steps=3", "trainer.batch_size=8", "trainer.ckpt_every=3"]
-    one = run_module("train", *args, f"run_dir={tmp_path / 'one'}")
+    one = run_cli("train", *args, f"run_dir={tmp_path / 'one'}")
     assert one.returncode == 0, one.stderr
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29561",
@@ -92,11 +92,11 @@ def test_sample_command_writes_a_grid_from_ema_weights(tmp_path):
     Trainer(compose_cfg(*FAST, "trainer.ckpt_every=2", "trainer.sample_every=2", f"run_dir={run}")).fit()
     assert (run / "samples" / "step_0000002.png").exists()
     out = tmp_path / "grid.png"
-    result = run_module("train.sample", str(run), "--steps", "3", "--per-class", "2", "--guidance", "2",
+    result = run_cli("train.sample", str(run), "--steps", "3", "--per-class", "2", "--guidance", "2",
                         "--classes", "3", "7", "--out", str(out))
     assert result.returncode == 0, result.stderr
     from PIL import Image
 
     assert Image.open(out).size[0] > 64
-    bad = run_module("train.sample", str(tmp_path / "nothing"))
+    bad = run_cli("train.sample", str(tmp_path / "nothing"))
     assert bad.returncode == 2 and "neither a checkpoint folder nor a run folder" in bad.stderr

@@ -21,7 +21,7 @@ from train.cli import RunStopped, friendly_errors
 from train.data.latents import LatentDataset
 from train.rundir import RunLock
 from train.trainer import Trainer
-from conftest import FAST, ROOT, compose_cfg, run_module
+from conftest import FAST, ROOT, compose_cfg, run_cli
 
 
 def cfg(run: Path, *overrides: str):
@@ -41,7 +41,7 @@ def test_fresh_run_into_a_used_folder_is_refused_unless_resume_or_overwrite(tmp_
     with pytest.raises(ConfigError, match=r"already holds a run \(checkpoints up to step_0000002\); pass resume=auto"):
         Trainer(cfg(run, "trainer.ckpt_every=2"))
     assert steps_in(run) == ["step_0000002"]
-    result = run_module("train", *FAST, f"run_dir={run}", timeout=120)
+    result = run_cli("train", *FAST, f"run_dir={run}")
     assert result.returncode == 2 and "already holds a run" in result.stderr and "Traceback" not in result.stderr
     # overwrite=true moves the old run aside; nothing is deleted and nothing mixes.
     Trainer(cfg(run, "trainer.ckpt_every=2", "overwrite=true")).fit()
@@ -59,7 +59,7 @@ def test_a_second_trainer_on_a_folder_in_use_is_refused(tmp_path):
         while time.time() < deadline and not (run / "metrics.jsonl").exists():
             time.sleep(0.2)
         record = (run / ".hydra" / "overrides.yaml").read_text()
-        second = run_module("train", *FAST, f"run_dir={run}", "resume=auto", timeout=120)
+        second = run_cli("train", *FAST, f"run_dir={run}", "resume=auto")
         assert second.returncode == 2, second.stderr
         assert f"is in use by another trainer (pid {first.pid})" in second.stderr and "Traceback" not in second.stderr
         assert (run / ".hydra" / "overrides.yaml").read_text() == record  # the running trainer's record is its own

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from routing import ConfigError
 from train.schema import check_config, numeric_keys
 from train.schema.keys import describe_range, out_of_range_example
-from conftest import compose_cfg, run_module
+from conftest import compose_cfg, run_cli, run_module
 
 NUMERIC = numeric_keys()
 IDS = [f"{key}{'[' + ','.join(o) + ']' if o else ''}" for o, key, _, _ in NUMERIC]
@@ -89,7 +89,7 @@ def test_family_kwargs_that_fit_pass():
     ],
 )
 def test_cli_refuses_in_one_sentence_with_exit_code_2(override, message, tmp_path):
-    result = run_module("train", override, f"run_dir={tmp_path / 'run'}", timeout=120)
+    result = run_cli("train", override, f"run_dir={tmp_path / 'run'}")
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
@@ -97,7 +97,7 @@ def test_cli_refuses_in_one_sentence_with_exit_code_2(override, message, tmp_pat
 
 
 def test_help_lists_every_key_with_its_range():
-    result = run_module("train", "--help", timeout=120)
+    result = run_cli("train", "--help")
     assert result.returncode == 0, result.stderr
     assert "trainer.max_bad_steps=20" in result.stdout and "[>= 1]" in result.stdout
     assert "data.num_images" in result.stdout and "objective.shift" in result.stdout
@@ -113,6 +113,16 @@ def test_help_lists_every_key_with_its_range():
     ],
 )
 def test_commands_refuse_bad_flags_in_one_sentence(module, args, message):
-    result = run_module(module, *args, timeout=120)
+    result = run_cli(module, *args)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_real_process_refuses_as_the_in_process_runs_do(tmp_path):
+    # The refusal tests call the entry points in-process (run_cli); `python -m` must behave the same. Hydra's app is the
+    # one with state to leak (job logging, sys.argv); the argparse commands print their error and exit alike.
+    args = ("trainer.nonsense=1", f"run_dir={tmp_path / 'run'}")
+    real, here = run_module("train", *args), run_cli("train", *args)
+    assert real.returncode == here.returncode == 2
+    assert real.stderr == here.stderr and len(real.stderr.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []

@@ -177,12 +177,12 @@ def test_the_second_stage_may_change_only_ratio_and_path_drop_on_resume():
 
 
 def test_routing_sprint_trains_every_family_from_the_cli_samples_with_pdg_and_continues_as_stage_two(tmp_path, capsys):
-    from conftest import FAST, compose_cfg, run_module
+    from conftest import FAST, compose_cfg, run_cli
     from train.sample import main as sample_main
     from train.trainer import Trainer
 
     run = tmp_path / "dit"
-    cli = run_module("train", "backbone=dit", "routing=sprint", *FAST, "trainer.ckpt_every=2", f"run_dir={run}")
+    cli = run_cli("train", "backbone=dit", "routing=sprint", *FAST, "trainer.ckpt_every=2", f"run_dir={run}")
     assert cli.returncode == 0, cli.stderr[-2000:]
     for family in ("rwkv", "mamba", "diffmoe"):  # the config the CLI composes, trained in-process (cheaper)
         trainer = Trainer(compose_cfg(*FAST, f"backbone={family}", "routing=sprint", f"run_dir={tmp_path / family}"))

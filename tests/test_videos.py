@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from routing import ConfigError
 from train.trainer import Trainer
-from conftest import ROOT, compose_cfg, run_module
+from conftest import ROOT, compose_cfg, run_cli
 
 TINY = ["data.frames=5", "data.height=32", "data.width=32", "data.max_sequence_length=8", "finetune.dtype=fp32",
         "finetune.gradient_checkpointing=false", "finetune.lora.rank=4", "trainer.mixed_precision=no", "trainer.cpu=true",
@@ -145,8 +145,8 @@ def test_a_refusal_is_one_line_on_stderr_and_exit_code_2(tiny, tmp_path, capsys)
 @pytest.mark.slow
 def test_python_m_train_runs_the_wan_preset_on_the_fixture_and_refuses_with_exit_code_2(tiny, tmp_path):
     run = tmp_path / "run"
-    result = run_module("train", *wan(tiny, "trainer.max_steps=2", "trainer.sample_every=2", f"run_dir={run}"))
+    result = run_cli("train", *wan(tiny, "trainer.max_steps=2", "trainer.sample_every=2", f"run_dir={run}"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert Image.open(run / "samples" / "step_0000002.gif").n_frames == 5
-    result = run_module("train", *wan(tiny, "data.frames=6", f"run_dir={tmp_path / 'bad'}"))
+    result = run_cli("train", *wan(tiny, "data.frames=6", f"run_dir={tmp_path / 'bad'}"))
     assert result.returncode == 2 and "Traceback" not in result.stderr and result.stderr.strip().count("\n") == 0
