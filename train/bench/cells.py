@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,8 +42,9 @@ def is_ablation(cfg: DictConfig) -> bool:
     return family_module(cfg.backbone.name).Block.needs_grid and not policy.yields_grid
 
 
-def compose_cell(bench: DictConfig, backbone: str, routing: str, seed: int) -> Cell:
-    """The real training config (configs/config.yaml) for one cell, with the bench's sizes and budget.
+def compose_pair(bench: DictConfig, backbone: str, routing: str) -> tuple[DictConfig, bool, dict]:
+    """The real training config (configs/config.yaml) of one grid pair with the bench's sizes, whether the pair is an
+    ablation, and the pair's config without the bench's overrides (the defaults its cost is compared with).
 
     `backbone` is a row name of the grid: a family (dit, rwkv, ...) or a variant whose `sizes.<name>` names its
     family, e.g. `tc: {family: diffmoe, kwargs: {moe_mode: token_choice}}` (the MoE table's baselines).
@@ -55,10 +57,17 @@ def compose_cell(bench: DictConfig, backbone: str, routing: str, seed: int) -> C
         plain = OmegaConf.to_container(compose(config_name="config", overrides=groups), resolve=True)
     except (MissingConfigException, OverrideParseException, ConfigCompositionException) as err:
         raise ConfigError(f"{str(err).splitlines()[0]} (check grid.backbones, grid.routings, dataset and overrides).") from err
-    t = bench.train
     with open_dict(cfg):
         cfg.backbone = OmegaConf.merge(cfg.backbone, size)
-        ablation = is_ablation(cfg)
+    return cfg, is_ablation(cfg), plain
+
+
+def compose_cell(bench: DictConfig, backbone: str, routing: str, seed: int, pair: tuple[DictConfig, bool, dict]) -> Cell:
+    """One seed of a composed pair, with the bench's budget and run folder."""
+    cfg, ablation, plain = pair
+    cfg = copy.deepcopy(cfg)  # the seeds of a pair share its composition; each gets its own config
+    t = bench.train
+    with open_dict(cfg):
         cfg.merge_with({
             "seed": seed,
             "run_dir": str(Path(bench.out_dir) / "runs" / f"{backbone}-{routing}-s{seed}"),
@@ -81,8 +90,10 @@ def grid_cells(bench: DictConfig) -> list[Cell]:
     """
     skip, last = set(bench.grid.get("skip") or []), list(bench.grid.get("last") or [])
     pairs = [(b, r) for b in bench.grid.backbones for r in bench.grid.routings if f"{b}-{r}" not in skip]
+    # Hydra composes each pair once (about a second of CPU each), not once per seed: 21 pairs x 3 seeds start in a third.
+    composed = {pair: compose_pair(bench, *pair) for pair in pairs}
     order = [p for p in pairs if f"{p[0]}-{p[1]}" not in last], [p for p in pairs if f"{p[0]}-{p[1]}" in last]
-    return [compose_cell(bench, b, r, s) for group in order for s in bench.seeds for b, r in group]
+    return [compose_cell(bench, b, r, s, composed[(b, r)]) for group in order for s in bench.seeds for b, r in group]
 
 
 def set_step_budget(cell: Cell, steps: int | None, speedup: float | None) -> None:
