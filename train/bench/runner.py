@@ -92,17 +92,14 @@ def speedups_source(bench: DictConfig) -> Path | None:
 
 
 def check_before_writing(bench: DictConfig, pairs: list) -> None:
-    """What the grid's training configs do not check and would otherwise refuse minutes into the cost phase."""
-    bad = [s for s in bench.seeds if isinstance(s, bool) or not isinstance(s, int) or s < 0]
-    if bad:
-        raise ConfigError(f"seeds={list(bench.seeds)} holds {bad[0]!r}; seeds are non-negative integers (e.g. seeds=[0,1,2]).")
+    """What the grid's training configs do not check and would otherwise refuse minutes into the cost phase, of the
+    checks that need the composed pairs (the cheaper ones come before the composition)."""
     resolution = bench.timing.resolution
     for cell in pairs:
         patch = cell.cfg.backbone.patch_size
         if isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < 1 or resolution % patch:
             raise ConfigError(f"timing.resolution={resolution!r} must be a positive multiple of backbone.patch_size={patch} "
                               f"({cell.key}); e.g. timing.resolution={patch * 16}.")
-    speedups_source(bench)
 
 
 def budget_cost_cells(bench: DictConfig, own: dict, keys: list[str]) -> dict:
@@ -134,6 +131,10 @@ def run(bench: DictConfig, record: HydraRecord | None = None) -> list[dict]:
     grid, seeds = bench.grid, list(bench.seeds)
     if not grid.backbones or not grid.routings or not seeds:
         raise ConfigError("grid.backbones, grid.routings and seeds must each name at least one entry.")
+    bad = [s for s in seeds if isinstance(s, bool) or not isinstance(s, int) or s < 0]
+    if bad:  # before the grid's configs are composed (a second of CPU per pair)
+        raise ConfigError(f"seeds={seeds} holds {bad[0]!r}; seeds are non-negative integers (e.g. seeds=[0,1,2]).")
+    speedups_source(bench)
     cells = grid_cells(bench)
     pairs = [c for c in cells if c.seed == seeds[0]]
     if not cells:
