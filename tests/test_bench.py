@@ -7,6 +7,8 @@ import os
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from routing import Route, Router, build_policy
@@ -126,6 +128,18 @@ def test_smoke_grid_writes_a_full_table_and_a_rerun_reuses_every_cell(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     log = second.stdout + second.stderr
     assert log.count("reused cell") == 9 and "reused cost measurements" in log
+    assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes
+
+    # The same classifier recipe, retrained on another CPU, comes out a little different: the cells it did not score are
+    # refused in one sentence, not silently re-trained and overwritten.
+    (weights,) = (out / "classifier").glob("classifier-*.safetensors")
+    with safe_open(str(weights), "pt") as f:
+        info = json.loads(f.metadata()["info"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(weights), metadata={"info": json.dumps(info | {"heldout_accuracy": info["heldout_accuracy"] + 0.0004})})
+    third = run_cli("train.bench", "bench=smoke", f"out_dir={out}")
+    assert third.returncode == 2 and "Traceback" not in third.stderr, third.stderr[-3000:]
+    assert "git checkout -- " + str(weights) in third.stderr and "held-out accuracy" in third.stderr
     assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes
 
 

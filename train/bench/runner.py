@@ -51,7 +51,7 @@ from train.bench.store import reuse_or_compute, saved_result
 from train.bench.timing import now, step_clock
 from train.build import objective_name
 from train.data import build_dataset
-from train.metrics.classifier import ClassifierConfig, load_or_train
+from train.metrics.classifier import ClassifierConfig, cache_path, load_or_train
 from train.rundir import HydraRecord
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,28 @@ def budget_cost_cells(bench: DictConfig, own: dict, keys: list[str]) -> dict:
     return theirs
 
 
+def refuse_another_scorer(cells_dir: Path, clf_meta: dict, weights: Path) -> None:
+    """Refuse a classifier that was trained with the settings the saved cells record but came out different.
+
+    Training the scorer is not bit-reproducible across CPUs (the Fashion-MNIST one scores 87.24% held out with
+    AVX2 kernels and 87.20% with AVX-512), and a different scorer makes every saved cell's settings differ, so the
+    bench would silently re-train and overwrite them all: hours of committed work for a rounding difference.
+    Changed classifier settings (epochs, lr, ...) still re-measure the cells, as any changed setting does.
+    """
+    same_recipe = {k: v for k, v in clf_meta.items() if k != "heldout_accuracy"}
+    for path in sorted(cells_dir.glob("*.json")):
+        try:
+            scorer = json.loads(path.read_text()).get("settings", {}).get("classifier") or {}
+        except json.JSONDecodeError:
+            continue  # a damaged cell is re-measured like any other mismatch
+        retrained = scorer.get("heldout_accuracy", clf_meta["heldout_accuracy"]) != clf_meta["heldout_accuracy"]
+        if retrained and {k: scorer.get(k) for k in same_recipe} == same_recipe:
+            raise ConfigError(
+                f"{path} was scored by a classifier with these settings and held-out accuracy {scorer['heldout_accuracy']:.2%}, "
+                f"but {weights} scores {clf_meta['heldout_accuracy']:.2%} (trained on another CPU?); restore the committed "
+                f"classifier with `git checkout -- {weights}`, or move {cells_dir} aside to re-measure every cell with this one.")
+
+
 def run(bench: DictConfig, record: HydraRecord | None = None) -> list[dict]:
     """The table of `bench`; `record` (Hydra's, from the command line) is written to out_dir once the checks passed."""
     began = time.perf_counter()
@@ -172,6 +194,7 @@ def run(bench: DictConfig, record: HydraRecord | None = None) -> list[dict]:
     clf_cfg = ClassifierConfig(**{f.name: bench.classifier[f.name] for f in fields(ClassifierConfig)})
     test = held_out_split(cfg, cfg.edm.sigma_data)  # Fashion-MNIST's test split; None for digits and shapes
     classifier, clf_meta = load_or_train(dataset, clf_cfg, bench.classifier.cache_dir, test)
+    refuse_another_scorer(results / "cells", clf_meta, cache_path(bench.classifier.cache_dir, dataset))
     log.info(f"classifier for {dataset.name} {tuple(dataset.shape)}: held-out accuracy {clf_meta['heldout_accuracy']:.1%} "
              f"({clf_meta['accuracy_on']})")
     evaluation = Evaluation(bench, cfg, dataset, classifier, test)
