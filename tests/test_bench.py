@@ -293,3 +293,10 @@ def test_recipe_table_names_the_winner_per_family_and_compares_recipes_with_welc
     assert best.endswith("| structured | -4.0 [-41.0, +33.0] ties (vs sprint) |"), best
     assert "| rwkv | structured - rows | -10.0 [-12.3, -7.7] wins |" in "\n".join(lines)
     assert "| rwkv | sprint - structured | +4.0 [-33.0, +41.0] ties |" in "\n".join(lines)
+    assert not any(l.startswith("| rwkv-") for l in lines)  # rows that do not name their seeds get no per-seed line
+
+    # Every seed beside the mean it makes: one step count when the seeds share the budget, each value otherwise.
+    rows[3] |= {"cell_seeds": [0, 2], "train_steps_seeds": [2047, 2047], "classifier_fd_seeds": [60.0, 62.25],
+                "class_accuracy_seeds": [0.25, 0.25], "ema_loss_seeds": [0.2081, None]}
+    seeded = recipes.markdown(rows)
+    assert "| rwkv-structured-s0 / s2 | 2047 | 0.2081 / n/a | 60.0 / 62.2 | 25.0% / 25.0% |  |  |  |" in seeded, seeded[-3:]

@@ -72,4 +72,24 @@ def markdown(rows: list[dict]) -> list[str]:
                 continue
             cells = [_diff_text(_values(a, key), _values(b, key), lower, fmt) for key, _, lower, fmt in METRICS]
             lines.append(f"| {family} | {a['routing']} - {b['routing']} | {' | '.join(cells)} |")
-    return lines
+    return lines + per_seed([r for r in rows if r["backbone"] in families])
+
+
+PER_SEED = (("train_steps", "{:.0f}"), ("ema_loss", "{:.4f}"), ("classifier_fd", "{:.1f}"), ("class_accuracy", "{:.1%}"),
+            ("at_step_ema_loss", "{:.4f}"), ("at_step_classifier_fd", "{:.1f}"), ("at_step_class_accuracy", "{:.1%}"))
+
+
+def per_seed(rows: list[dict]) -> list[str]:
+    """Every seed's scores, so a mean can be read against the values it averages (seeds separated by /)."""
+    lines = ["", "Per seed (equal compute: steps, held-out EMA loss, classifier-FD, class accuracy; then the same at the "
+             "unrouted step count):", "", "| cell | steps | EMA loss | classifier-FD | class acc. | @ step: EMA loss | FD | acc. |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in (r for r in rows if r.get("cell_seeds")):
+        name = f"{r['backbone']}-{r['routing']}-" + " / ".join(f"s{s}" for s in r["cell_seeds"])
+        cells = []
+        for key, fmt in PER_SEED:
+            values = [fmt.format(v) if v is not None else "n/a" for v in r.get(f"{key}_seeds") or []]
+            same_budget = key == "train_steps" and len(set(values)) == 1  # every seed of a row trains the same steps
+            cells.append(values[0] if same_budget else " / ".join(values))
+        lines.append(f"| {name} | {' | '.join(cells)} |")
+    return lines if len(lines) > 5 else []

@@ -61,8 +61,9 @@ def table_rows(pairs: list[Cell], costs: dict, runs: dict[str, list[dict]], base
                 row[key] = s["mean"]
             if s["std"] is not None:
                 row[f"{key}_std"], row[f"{key}_ci95"] = s["std"], s["ci95"]
-        for key in COMPARED:  # per seed, for the recipe comparisons (train/bench/recipes.py)
+        for key in (*COMPARED, "train_steps"):  # per seed, for the recipe comparisons (train/bench/recipes.py)
             row[f"{key}_seeds"] = [q.get(key) for q in quality]
+        row["cell_seeds"] = [q.get("seed") for q in quality]
         # Without MoE layers a token activates every weight, at sampling as in training.
         row.setdefault("activated_params_inference", row["activated_params"])
         if quality and quality[0].get("at_step") is not None:
