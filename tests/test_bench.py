@@ -298,5 +298,7 @@ def test_recipe_table_names_the_winner_per_family_and_compares_recipes_with_welc
     # Every seed beside the mean it makes: one step count when the seeds share the budget, each value otherwise.
     rows[3] |= {"cell_seeds": [0, 2], "train_steps_seeds": [2047, 2047], "classifier_fd_seeds": [60.0, 62.25],
                 "class_accuracy_seeds": [0.25, 0.25], "ema_loss_seeds": [0.2081, None]}
+    rows[2] |= {"ema_loss_seeds": [0.2100, 0.2110]}
     seeded = recipes.markdown(rows)
+    assert "| rwkv | held-out EMA loss, equal compute |  |  | 0.2105 (2) | 0.2081 (1) |  | structured | -0.0024 n/a (one seed) (vs rows) |" in "\n".join(seeded)
     assert "| rwkv-structured-s0 / s2 | 2047 | 0.2081 / n/a | 60.0 / 62.2 | 25.0% / 25.0% |  |  |  |" in seeded, seeded[-3:]
