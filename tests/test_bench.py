@@ -139,7 +139,7 @@ def test_smoke_grid_writes_a_full_table_and_a_rerun_reuses_every_cell(tmp_path):
     save_file(tensors, str(weights), metadata={"info": json.dumps(info | {"heldout_accuracy": info["heldout_accuracy"] + 0.0004})})
     third = run_cli("train.bench", "bench=smoke", f"out_dir={out}")
     assert third.returncode == 2 and "Traceback" not in third.stderr, third.stderr[-3000:]
-    assert "git checkout -- " + str(weights) in third.stderr and "held-out accuracy" in third.stderr
+    assert str(weights) in third.stderr and "held-out accuracy" in third.stderr
     assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes
 
 

@@ -119,9 +119,9 @@ def budget_cost_cells(bench: DictConfig, own: dict, keys: list[str]) -> dict:
 def refuse_another_scorer(cells_dir: Path, clf_meta: dict, weights: Path) -> None:
     """Refuse a classifier that was trained with the settings the saved cells record but came out different.
 
-    Training the scorer is not bit-reproducible across CPUs (the Fashion-MNIST one scores 87.24% held out with
-    AVX2 kernels and 87.20% with AVX-512), and a different scorer makes every saved cell's settings differ, so the
-    bench would silently re-train and overwrite them all: hours of committed work for a rounding difference.
+    Training the scorer is not bit-reproducible across CPU kernels (the Fashion-MNIST one scores 87.24% held out with
+    AVX2 kernels and 87.20% with AVX-512; `python -m train.bench` pins AVX2), and a different scorer makes every saved
+    cell's settings differ, so the bench would silently re-train and overwrite them all.
     Changed classifier settings (epochs, lr, ...) still re-measure the cells, as any changed setting does.
     """
     same_recipe = {k: v for k, v in clf_meta.items() if k != "heldout_accuracy"}
@@ -134,8 +134,8 @@ def refuse_another_scorer(cells_dir: Path, clf_meta: dict, weights: Path) -> Non
         if retrained and {k: scorer.get(k) for k in same_recipe} == same_recipe:
             raise ConfigError(
                 f"{path} was scored by a classifier with these settings and held-out accuracy {scorer['heldout_accuracy']:.2%}, "
-                f"but {weights} scores {clf_meta['heldout_accuracy']:.2%} (trained on another CPU?); restore the committed "
-                f"classifier with `git checkout -- {weights}`, or move {cells_dir} aside to re-measure every cell with this one.")
+                f"but {weights} scores {clf_meta['heldout_accuracy']:.2%} (trained with other CPU kernels?); delete it and run "
+                f"`python -m train.bench` again, which retrains it with AVX2 kernels, or move {cells_dir} aside to re-measure every cell.")
 
 
 def run(bench: DictConfig, record: HydraRecord | None = None) -> list[dict]:
