@@ -206,6 +206,19 @@ def test_report_compares_routed_rows_with_unrouted_and_moe_rows_with_their_basel
     text = markdown(list(rows.values()), meta)
     assert "| diffmoe | dit | none | +0.1000" in text and "| dit | random | -0.1000" in text
 
+    # A cell that lost a fifth of its time to another job: a step budget loses time (img/s is marked), a wall-clock
+    # budget loses steps (steps are marked).
+    for quality in runs.values():
+        for q in quality:
+            q["images_per_s"] = 16.0
+    runs["dit-random"][0]["stalled_seconds"] = 0.2
+    rows = table_rows(pairs, costs, runs, {"diffmoe": "dit"})
+    for wall_clock, marked in ((False, "16 ± 0"), (True, "1 ± 0")):
+        text = markdown(rows, {**meta, "train": {**meta["train"], "wall_clock": wall_clock}})
+        line = next(x for x in text.splitlines() if x.startswith("| dit | random"))
+        assert line.count("†") == 1 and f"| {marked} † |" in line, line
+        assert ("trained fewer steps" in text) == wall_clock
+
 
 def test_a_cell_killed_after_its_last_checkpoint_resumes_and_measured_only_trains_nothing(tmp_path):
     out = tmp_path / "bench"

@@ -99,7 +99,7 @@ OPTIONAL = ("at_step", "at_step_ema_loss", "at_step_classifier_fd", "at_step_cla
 MOE = ("activated_params", "experts_per_token_inference", "activated_params_inference")  # shown for tables with MoE rows
 
 
-def _cell_text(row: dict, key: str) -> str:
+def _cell_text(row: dict, key: str, stalled: str) -> str:
     value = row.get(key)
     if value is None:
         return "n/a"
@@ -107,7 +107,7 @@ def _cell_text(row: dict, key: str) -> str:
     # With several seeds: mean ± the half-width of its 95% t-interval (the std is in table.csv / table.json).
     half = row.get(f"{key}_ci95")
     text = text if half is None else f"{text} ± {COLUMNS[key][1].format(half)}"
-    return f"{text} †" if key == "train_steps" and row["noisy"] else text
+    return f"{text} †" if key == stalled and row["noisy"] else text
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
@@ -115,7 +115,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
     moe = any(r["activated_params"] != r["params"] for r in rows)
     columns = [k for k in COLUMNS if (k not in OPTIONAL or any(k in r for r in rows)) and (k not in MOE or moe)]
     lines = [f"| {' | '.join(COLUMNS[k][0] for k in columns)} |", "|" + "---|" * len(columns)]
-    lines += [f"| {' | '.join(_cell_text(r, k) for k in columns)} |" for r in rows]
+    # A stall costs a wall-clock budget steps, and a step budget only time.
+    stalled = "train_steps" if m["train"].get("wall_clock") else "images_per_s"
+    lines += [f"| {' | '.join(_cell_text(r, k, stalled) for k in columns)} |" for r in rows]
     t, q, e, c = m["timing"], m["train"], m["eval"], m["classifier"]
     notes = [
         "",
@@ -136,8 +138,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"(4) Quality columns: the real Trainer for {q['budget']} per cell on {q['data']} ({q['tokens']} tokens), "
         f"batch {q['batch_size']}, seeds {q['seeds']}; ablation = routing.allow_unstructured=true (a random subset "
         f"without a grid on a scan-order backbone). † more than {NOISY:.0%} of the budget went to steps slower than "
-        f"{STALL:g}x the cell's median step (another job on the machine): that cell trained fewer steps than it could "
-        "have; delete its cells/<cell>.json and re-run the command to redo it."
+        f"{STALL:g}x the cell's median step (another job on the machine): "
+        + ("that cell trained fewer steps than it could have; delete its cells/<cell>.json and re-run the command to "
+           "redo it." if q.get("wall_clock") else
+           "its step budget is unchanged, only its seconds and img/s read slow.")
         + (f" measured_only=true: the rows hold the seeds measured so far; not measured yet: {', '.join(q['missing'])}."
            if q.get("missing") else ""),
         f"(5) {q.get('objective', 'edm').upper()} loss of the EMA model (eval mode, unrouted) on a fixed batch of "
