@@ -48,6 +48,8 @@ def test_sampling_study_groups_training_seeds_and_compares_objectives(tmp_path, 
                                            "dit-random": {"flops": 1.0, "step_seconds": 1.0}}}))
     budgets = {"edm": [], "flow": ["train.steps={dit: 3}", f"train.speedups_from={other}"]}
     runs = []
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "flow").symlink_to(tmp_path / "disk")  # the flow runs live behind a symlink (a bigger disk)
     for objective in ("edm", "flow"):
         out = tmp_path / objective
         done = run_cli("train.bench", "bench=smoke", f"out_dir={out}", "grid.backbones=[dit]", "grid.routings=[random]",
@@ -63,7 +65,8 @@ def test_sampling_study_groups_training_seeds_and_compares_objectives(tmp_path, 
     saved = sorted((tmp_path / "study" / "rows").glob("*.json"))
     assert len(saved) == 4 * 5
     # Rows name their checkpoint relative to the working directory, so rows committed from one clone serve another.
-    assert json.loads(saved[0].read_text())["settings"]["checkpoint"].startswith(("edm/runs/", "flow/runs/"))
+    for row in saved:
+        assert json.loads(row.read_text())["settings"]["checkpoint"].startswith(("edm/runs/", "flow/runs/")), row.name
     mtimes = [p.stat().st_mtime_ns for p in saved]
     first = json.loads((tmp_path / "study" / "table.json").read_text())
     sampling.main(study)

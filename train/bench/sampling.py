@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -150,8 +151,9 @@ def evaluate(run: str, rule_list: list[Rule], args) -> list[dict]:
     labels = grid_labels(ds.num_classes, args.per_class)
     if args.match_flops:
         rule_list = at_matched_flops(loaded, rule_list, labels, args)
-    # Relative to the working directory when under it, so rows committed from one clone are reused in another.
-    checkpoint = loaded.checkpoint.resolve()
+    # Relative to the working directory when under it, so rows committed from one clone are reused in another;
+    # abspath keeps a symlinked runs folder (bench_runs -> a bigger disk) under it, where resolve() would leave it.
+    checkpoint = Path(os.path.abspath(loaded.checkpoint))
     checkpoint = checkpoint.relative_to(Path.cwd()) if checkpoint.is_relative_to(Path.cwd()) else checkpoint
     rows = []
     for rule in rule_list:
