@@ -238,6 +238,7 @@ def run(bench: DictConfig, record: HydraRecord | None = None) -> list[dict]:
     # Table and plots.
     rows = table_rows(pairs, cost["cells"], runs, OmegaConf.to_container(grid.get("baselines") or OmegaConf.create({})))
     t = bench.train
+    wall_clock = t.get("steps") is None and bool(t.minutes)  # a stall then costs the cell steps, not only time
     if t.get("steps") is not None:
         budget = "equal compute: " + ", ".join(f"{b} {n} steps unrouted" for b, n in t.steps.items() if b in grid.backbones) + \
                  " (routed cells: x their measured speedup" + \
@@ -252,7 +253,8 @@ def run(bench: DictConfig, record: HydraRecord | None = None) -> list[dict]:
         "load_average": f"{min(loads):.1f} to {max(loads):.1f} (sampled after the cost phase and after each cell)",
         "timing": {**OmegaConf.to_container(bench.timing), "tokens": next(iter(cost["cells"].values()))["tokens"],
                    "clock": cost.get("clock", "wall-clock time")},
-        "train": {"budget": budget, "wall_clock": t.get("steps") is None and bool(t.minutes), "data": f"{dataset.name} {'x'.join(map(str, dataset.shape))}", "batch_size": t.batch_size,
+        "train": {"budget": budget, "wall_clock": wall_clock, "data": f"{dataset.name} {'x'.join(map(str, dataset.shape))}",
+                  "batch_size": t.batch_size,
                   "tokens": dataset.shape[1] * dataset.shape[2] // cfg.backbone.patch_size**2, "objective": objective_name(cfg),
                   "seeds": seeds, "missing": missing},
         "eval": {"loss_batch": len(evaluation.y), "reference": evaluation.reference, "samples": len(evaluation.sample_labels),
