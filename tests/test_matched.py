@@ -30,6 +30,8 @@ def test_best_rules_and_their_paired_difference_from_cfg():
                                         ("PDG 2", "pdg", 25, 0.55), ("PDG 3", "pdg", 10, 0.7), ("plain", "plain", 50, 0.3))]
     agg = [{**row("", rule, kind, sum(r["classifier_fd"] for r in rows if r["rule"] == rule) / 3, 0.0), "classifier_fd_ci95": None}
            for rule, kind in (("CFG 1.5", "cfg"), ("CFG 2", "cfg"), ("PDG 2", "pdg"), ("PDG 3", "pdg"), ("plain", "plain"))]
+    # A scale swept on one of the three runs only (a pooled study) does not compete, however low its mean.
+    agg = [{**a, "runs": 3} for a in agg] + [{**row("", "PDG 5", "pdg", 1, 0.0), "classifier_fd_ci95": None, "runs": 1}]
     best = matched.best_per_kind(agg)
     assert [b["rule"] for b in best] == ["CFG 2", "PDG 3"]  # plain is not a guidance kind
     (versus,) = matched.against_cfg(rows, best)

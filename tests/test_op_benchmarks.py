@@ -35,8 +35,11 @@ def test_sampling_study_rules_parse_and_refuse_bad_routing_guidance():
         rules([], [], ["2"])
 
 
-def test_sampling_study_groups_training_seeds_and_compares_objectives(tmp_path, monkeypatch):
+def test_sampling_study_groups_training_seeds_and_compares_objectives(tmp_path, monkeypatch, capsys):
     import json
+    import shutil
+
+    import pytest
 
     from conftest import run_cli
     from train.bench import sampling
@@ -61,6 +64,8 @@ def test_sampling_study_groups_training_seeds_and_compares_objectives(tmp_path, 
     study = [*runs, "--gammas", "0.5", "--cfg", "2", "--rg", "2,0,0.5", "2,0,0.5,uncond", "--steps", "2", "--per-class", "2",
              "--num-real", "16", "--cache-dir", str(tmp_path / "edm" / "classifier"), "--threads", "1", "--out", str(tmp_path / "study")]
     sampling.main(study[:2] + study[4:])  # the EDM runs first (a separate process could take the flow runs)
+    edm_study = tmp_path / "edm-study.json"
+    edm_study.write_text((tmp_path / "study" / "table.json").read_text())
     sampling.main(study)  # all runs: the EDM rows are reused, not sampled again
     saved = sorted((tmp_path / "study" / "rows").glob("*.json"))
     assert len(saved) == 4 * 5
@@ -87,3 +92,20 @@ def test_sampling_study_groups_training_seeds_and_compares_objectives(tmp_path, 
         assert "classifier_fd_vs_plain" in agg[(group, "CFG 2")] and "classifier_fd_vs_plain" not in agg[(group, "plain")]
     assert {c["rule"] for c in table["between_groups"]} == {"plain", "routed 0.5", "CFG 2", "RG 2 (0/0.5)", "RG 2 (0/0.5, uncond)"}
     assert (tmp_path / "study" / "quality_vs_flops.png").stat().st_size > 0
+    # An earlier study's table.json stands for runs whose checkpoints are gone: pooled with the flow runs, it gives
+    # the table of the study over all runs.
+    shutil.rmtree(tmp_path / "edm" / "runs")
+    flags = study[4:-1]
+    sampling.main([str(edm_study), *runs[2:], *flags, str(tmp_path / "pooled")])
+    again = json.loads((tmp_path / "pooled" / "table.json").read_text())
+    assert again["rows"] == table["rows"] and again["aggregate"] == table["aggregate"]
+    # Sources sampled or scored differently are refused in one sentence naming the setting.
+    capsys.readouterr()
+    for source, extra, says in ((str(edm_study), ["--steps", "3"], "--steps differs between the sources"),
+                                (str(edm_study), ["--num-real", "8"], "differ in --num-real"),
+                                (str(tmp_path / "cost.json"), [], "is not a table.json written by")):
+        with pytest.raises(SystemExit):
+            sampling.main([source, *runs[2:], *flags, str(tmp_path / "refused"), *extra])
+        err = capsys.readouterr().err
+        assert says in err.splitlines()[-1] and "Traceback" not in err and err.count("error:") == 1, err
+

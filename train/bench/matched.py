@@ -27,11 +27,13 @@ def matched_steps(flops_at: Callable[[int], int], budget: int, start: int) -> in
 
 
 def best_per_kind(agg: list[dict]) -> list[dict]:
-    """Per group and guidance kind, the rule (scale) with the lowest mean classifier-FD."""
+    """Per group and guidance kind, the rule (scale) with the lowest mean classifier-FD, among the rules measured on
+    every run of the group: pooled studies may sweep a scale on one seed only, and a mean over fewer runs is no match."""
     out = []
     for group in dict.fromkeys(a["group"] for a in agg):
+        complete = max(a.get("runs", 1) for a in agg if a["group"] == group)
         for kind in GUIDED:
-            mine = [a for a in agg if a["group"] == group and a["kind"] == kind]
+            mine = [a for a in agg if a["group"] == group and a["kind"] == kind and a.get("runs", 1) == complete]
             if mine:
                 out.append(min(mine, key=lambda a: a["classifier_fd"]))
     return out

@@ -21,12 +21,19 @@ and the table adds each guidance rule at its best swept scale, paired against th
 Writes table.md, table.json and quality_vs_flops.png under --out. Each (run, rule) measurement is saved under
 --out/rows/ with the settings it was made under, so a killed study resumes, and runs sampled by separate calls
 (processes) are combined by one more call over all of them.
+
+A source may also be an earlier study's table.json: its rows join this study's as they are, so training seeds whose
+checkpoints are gone still pool with new ones (every source must share --steps, --per-class, --seed, the reference and
+the classifier; a rule swept on some runs only does not compete for a group's best scale):
+
+    python -m train.bench.sampling docs/.../rg/dit-s0/table.json bench_runs/fashion/runs/dit-random-s1 --cfg 2 --rg 8,0,0.5 ...
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import logging
 import os
 import sys
@@ -53,6 +60,7 @@ from train.grid import grid_labels  # noqa: E402
 from train.metrics.classifier import features, load_or_train, sample_scores  # noqa: E402
 
 SCORES = {"classifier_fd": True, "class_accuracy": False}  # score: lower is better
+SAMPLING = ("steps", "per_class", "seed")  # the settings every pooled source must share
 
 
 @dataclass
@@ -177,6 +185,45 @@ def evaluate(run: str, rule_list: list[Rule], args) -> list[dict]:
     return rows
 
 
+def studied(path: Path) -> dict:
+    """An earlier study's table.json: its sampling settings and rows (its runs' checkpoints need not exist)."""
+    try:
+        table = json.loads(path.read_text())
+        return {"settings": {key: table[key] for key in SAMPLING}, "rows": list(table["rows"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ConfigError(f"{path} is not a table.json written by `python -m train.bench.sampling`; "
+                          "give run folders or such a file.") from None
+
+
+def pooled(sources: list[str], rule_list: list[Rule], args) -> list[dict]:
+    """Every source's rows: run folders are sampled (or their saved rows reused), earlier studies' tables are read.
+    The sampling settings are checked before any sampling; the reference and classifier once the rows exist (the
+    sampled rows are saved under --out, so a refusal there loses no work)."""
+    tables = {source: studied(Path(source)) for source in sources if source.endswith(".json")}
+    settings = {source: t["settings"] for source, t in tables.items()}
+    if len(tables) < len(sources):
+        settings["this call"] = {key: getattr(args, key) for key in SAMPLING}
+    for key in SAMPLING:
+        if len({s[key] for s in settings.values()}) > 1:
+            seen = ", ".join(f"{source}: {s[key]}" for source, s in settings.items())
+            raise ConfigError(f"--{key.replace('_', '-')} differs between the sources ({seen}); pool only studies "
+                              "sampled with the same settings.")
+    vars(args).update(next(iter(settings.values())))  # a table-only call reports the tables' settings
+    rows = [row for source in sources
+            for row in (tables[source]["rows"] if source in tables else evaluate(source, rule_list, args))]
+    for key, what in (("reference", "--num-real (the reference images)"), ("classifier_accuracy", "--cache-dir (the classifier)")):
+        if len({r[key] for r in rows}) > 1:
+            raise ConfigError(f"the sources differ in {what}; pool only studies scored the same way.")
+    measured = {}
+    for r in rows:
+        key = (r["group"], r["seed"], r["step"], r["rule"])
+        if key in measured and any(measured[key][score] != r[score] for score in SCORES):
+            raise ConfigError(f"{r['group']} seed {r['seed']}, {r['rule']}: two sources measured it differently; "
+                              "give each measurement once.")
+        measured.setdefault(key, r)  # the same measurement reached twice (a table and its run) counts once
+    return list(measured.values())
+
+
 def aggregate(rows: list[dict]) -> list[dict]:
     """Per (group, rule): mean and 95% interval over runs, and the paired difference from plain sampling."""
     out = []
@@ -289,7 +336,8 @@ def plot(agg: list[dict], path: Path) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = ArgumentParser(prog="python -m train.bench.sampling", description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", help="run or checkpoint folders (trained with routing); a group's runs are its seeds")
+    parser.add_argument("runs", nargs="+", help="run or checkpoint folders (trained with routing), or earlier studies' "
+                        "table.json (their checkpoints may be gone); a group's runs are its seeds")
     parser.add_argument("--gammas", type=bounded(float, 0, 0.99), nargs="*", default=[0.25, 0.5, 0.75], help="routed-inference ratios")
     parser.add_argument("--cfg", type=bounded(float, 0, 100), nargs="*", default=[1.5, 2.0], help="classifier-free guidance scales")
     parser.add_argument("--rg", nargs="*", default=["1.5,0,0.5", "2,0,0.5", "2,0.25,0.75"],
@@ -318,7 +366,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rule_list = rules(args.gammas, args.cfg, args.rg, args.pdg)
     command = " ".join(["python -m train.bench.sampling", *(argv if argv is not None else sys.argv[1:])])
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = [row for run in args.runs for row in evaluate(run, rule_list, args)]
+    rows = pooled(args.runs, rule_list, args)
     agg, cross = aggregate(rows), between_groups(rows)
     (args.out / "table.md").write_text(markdown(agg, cross, command, rows))
     write_json_atomic(args.out / "table.json", {"command": command, "rows": rows, "aggregate": agg, "between_groups": cross,
