@@ -26,7 +26,7 @@ A source may also be an earlier study's table.json: its rows join this study's a
 checkpoints are gone still pool with new ones (every source must share --steps, --per-class, --seed, the reference and
 the classifier; a rule swept on some runs only does not compete for a group's best scale):
 
-    python -m train.bench.sampling docs/.../rg/dit-s0/table.json bench_runs/fashion/runs/dit-random-s1 --cfg 2 --rg 8,0,0.5 ...
+    python -m train.bench.sampling old-study/table.json bench_runs/fashion/runs/dit-random-s1 --cfg 2 --rg 8,0,0.5 ...
 """
 
 from __future__ import annotations
