@@ -129,6 +129,12 @@ def test_smoke_grid_writes_a_full_table_and_a_rerun_reuses_every_cell(tmp_path):
     log = second.stdout + second.stderr
     assert log.count("reused cell") == 9 and "reused cost measurements" in log
     assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes
+    # A sub-grid reuses the bigger grid's costs and cells, and leaves its cost.json as it was.
+    sub = run_cli("train.bench", "bench=smoke", f"out_dir={out}", "grid.backbones=[rwkv]", "grid.routings=[none,rows]")
+    assert sub.returncode == 0, sub.stderr[-3000:]
+    log = sub.stdout + sub.stderr
+    assert log.count("reused cell") == 2 and "(2 of its 9 cells)" in log
+    assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes
 
     # The same classifier recipe, retrained on another CPU, comes out a little different: the cells it did not score are
     # refused in one sentence, not silently re-trained and overwritten.
@@ -254,6 +260,15 @@ def test_a_bad_invocation_key_is_one_sentence_before_any_work(tmp_path, key):
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
     assert key.split("=")[0] in bad.stderr
     assert not (tmp_path / "bench" / "cost.json").exists()  # refused before the cost phase
+
+
+def test_a_routed_cell_without_its_unrouted_cell_is_refused_under_a_step_budget(tmp_path):
+    # Its budget is the unrouted step count x its measured speedup; without dit-none it used to train the unrouted count.
+    bad = run_cli("train.bench", "bench=smoke", f"out_dir={tmp_path / 'bench'}", "grid.backbones=[dit]", "grid.routings=[random]",
+                  "train.steps={dit: 2}")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    assert "dit-none is not in the grid" in bad.stderr and "grid.routings" in bad.stderr
+    assert not (tmp_path / "bench" / "cost.json").exists()
 
 
 def test_a_claimed_cell_is_skipped_while_its_process_lives_and_taken_over_after(tmp_path):

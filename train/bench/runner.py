@@ -47,7 +47,7 @@ from train.bench.cost import measure_costs, speedups
 from train.bench.plots import plot_bars, plot_loss_curves, plot_quality_curves
 from train.bench.quality import Evaluation, held_out_split, train_and_score, warm_up
 from train.bench.report import table_rows, write_tables
-from train.bench.store import reuse_or_compute, saved_result
+from train.bench.store import reuse_or_compute, saved_result, saved_subset
 from train.bench.timing import now, step_clock
 from train.build import objective_name
 from train.data import build_dataset
@@ -100,6 +100,20 @@ def check_before_writing(bench: DictConfig, pairs: list) -> None:
         if isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < 1 or resolution % patch:
             raise ConfigError(f"timing.resolution={resolution!r} must be a positive multiple of backbone.patch_size={patch} "
                               f"({cell.key}); e.g. timing.resolution={patch * 16}.")
+
+
+def refuse_missing_baselines(bench: DictConfig, pairs: list) -> None:
+    """A routed cell's step budget is equal compute with its backbone's unrouted step: without that cell's cost it
+    would silently train the unrouted step count, so a grid that leaves it out is refused before any work."""
+    if bench.train.get("steps") is None:
+        return  # wall-clock budgets need no speedup
+    source = speedups_source(bench)
+    measured = {c.key for c in pairs} if source is None else set(json.loads(source.read_text())["cells"])
+    lacking = sorted({f"{c.backbone}-none" for c in pairs if c.routing != "none"} - measured)
+    if lacking:
+        raise ConfigError(f"{lacking[0]} is not in the grid (grid.routings, grid.skip), but its backbone's routed cells take "
+                          "their equal-compute step budget from its step time; add none to grid.routings (measured cells "
+                          "are reused).")
 
 
 def budget_cost_cells(bench: DictConfig, own: dict, keys: list[str]) -> dict:
@@ -161,6 +175,7 @@ def run(bench: DictConfig, record: HydraRecord | None = None) -> list[dict]:
     pairs = [c for c in cells if c.seed == seeds[0]]
     if not cells:
         raise ConfigError("grid.skip removes every pair of the grid; keep at least one backbone-routing pair.")
+    refuse_missing_baselines(bench, pairs)
     cfg = pairs[0].cfg
     dataset = build_dataset(cfg.data, cfg.edm.sigma_data)
     timing_shape = (dataset.shape[0], bench.timing.resolution, bench.timing.resolution)
@@ -175,8 +190,12 @@ def run(bench: DictConfig, record: HydraRecord | None = None) -> list[dict]:
                      "shape": timing_shape, "num_classes": dataset.num_classes, "timing": OmegaConf.to_container(bench.timing),
                      "device": bench.device, "threads": bench.threads, "clock": step_clock(bench.device, bench.threads)[1]}
     cost_defaults = {"cells": {c.key: c.plain["backbone"] | {"routing": c.plain["routing"]} for c in pairs}}
-    cost = reuse_or_compute(results / "cost.json", cost_settings, lambda: measure_costs(pairs, bench, timing_shape, dataset.num_classes),
-                            "cost measurements", cost_defaults)
+    cost = saved_subset(results / "cost.json", cost_settings, "cells", cost_defaults)
+    if cost is not None:
+        log.info(f"reused cost measurements from {results / 'cost.json'} ({len(pairs)} of its {len(cost['settings']['cells'])} cells)")
+    else:
+        cost = reuse_or_compute(results / "cost.json", cost_settings,
+                                lambda: measure_costs(pairs, bench, timing_shape, dataset.num_classes), "cost measurements", cost_defaults)
     # Matched size means matched ACTIVATED parameters: an MoE model holds E experts but a token uses C of them.
     params = {key: c.get("activated_params", c["params"]) for key, c in cost["cells"].items()}
     log.info("activated parameters per token: " + ", ".join(f"{key} {n / 1e6:.3f}M" for key, n in params.items()))

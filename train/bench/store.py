@@ -47,6 +47,26 @@ def saved_result(path: Path, settings: dict, defaults: dict | None = None) -> di
     return saved if same_settings(saved.get("settings"), settings, defaults) else None
 
 
+def saved_subset(path: Path, settings: dict, key: str, defaults: dict | None = None) -> dict | None:
+    """The result saved at `path`, narrowed to the entries that `settings[key]` names, if it measured every one of them
+    (and everything else) under the same settings; else None. So a bench over a sub-grid reuses the costs measured for
+    a bigger grid, and leaves that file as it was: each speedup is a ratio of two cells timed in the same rounds."""
+    settings, defaults = json.loads(json.dumps([settings, defaults]))  # JSON-normal form, as read back
+    if not path.exists():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+    measured = (saved.get("settings") or {}).get(key) or {}
+    if not set(settings[key]) <= set(measured):
+        return None
+    narrowed = saved["settings"] | {key: {k: measured[k] for k in settings[key]}}
+    if not same_settings(narrowed, settings, defaults):
+        return None
+    return saved | {key: {k: saved[key][k] for k in settings[key]}}
+
+
 def reuse_or_compute(path: Path, settings: dict, compute: Callable[[], dict], what: str, defaults: dict | None = None) -> dict:
     """The result saved at `path` if it was measured with `settings` (see same_settings), else `compute()` (then saved)."""
     saved = saved_result(path, settings, defaults)
