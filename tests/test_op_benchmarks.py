@@ -108,4 +108,3 @@ def test_sampling_study_groups_training_seeds_and_compares_objectives(tmp_path, 
             sampling.main([source, *runs[2:], *flags, str(tmp_path / "refused"), *extra])
         err = capsys.readouterr().err
         assert says in err.splitlines()[-1] and "Traceback" not in err and err.count("error:") == 1, err
-

@@ -35,16 +35,19 @@ def same_settings(saved, current, defaults=None) -> bool:
     return saved == current
 
 
+def _read(path: Path) -> dict | None:
+    """A saved result, or None when there is none or it is damaged (then it is measured again)."""
+    try:
+        return json.loads(path.read_text()) if path.exists() else None
+    except json.JSONDecodeError:
+        return None
+
+
 def saved_result(path: Path, settings: dict, defaults: dict | None = None) -> dict | None:
     """The result saved at `path` if it was measured with `settings` (see same_settings), else None."""
     settings, defaults = json.loads(json.dumps([settings, defaults]))  # JSON-normal form (tuples -> lists), as read back
-    if not path.exists():
-        return None
-    try:
-        saved = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return None
-    return saved if same_settings(saved.get("settings"), settings, defaults) else None
+    saved = _read(path)
+    return saved if saved is not None and same_settings(saved.get("settings"), settings, defaults) else None
 
 
 def saved_subset(path: Path, settings: dict, key: str, defaults: dict | None = None) -> dict | None:
@@ -52,14 +55,9 @@ def saved_subset(path: Path, settings: dict, key: str, defaults: dict | None = N
     (and everything else) under the same settings; else None. So a bench over a sub-grid reuses the costs measured for
     a bigger grid, and leaves that file as it was: each speedup is a ratio of two cells timed in the same rounds."""
     settings, defaults = json.loads(json.dumps([settings, defaults]))  # JSON-normal form, as read back
-    if not path.exists():
-        return None
-    try:
-        saved = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return None
-    measured = (saved.get("settings") or {}).get(key) or {}
-    if not set(settings[key]) <= set(measured):
+    saved = _read(path)
+    measured = ((saved or {}).get("settings") or {}).get(key) or {}
+    if not measured or not set(settings[key]) <= set(measured):
         return None
     narrowed = saved["settings"] | {key: {k: measured[k] for k in settings[key]}}
     if not same_settings(narrowed, settings, defaults):
