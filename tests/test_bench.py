@@ -269,6 +269,14 @@ def test_a_routed_cell_without_its_unrouted_cell_is_refused_under_a_step_budget(
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
     assert "dit-none is not in the grid" in bad.stderr and "grid.routings" in bad.stderr
     assert not (tmp_path / "bench" / "cost.json").exists()
+    # The same holds for another bench's costs (train.speedups_from): they must include the unrouted cell.
+    theirs = tmp_path / "cost.json"
+    theirs.write_text(json.dumps({"cells": {"dit-random": {"flops": 1.0, "step_seconds": 1.0}}}))
+    bad = run_cli("train.bench", "bench=smoke", f"out_dir={tmp_path / 'bench'}", "grid.backbones=[dit]", "grid.routings=[random]",
+                  "train.steps={dit: 2}", f"train.speedups_from={theirs}")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    assert "train.speedups_from" in bad.stderr and "dit-none" in bad.stderr
+    assert not (tmp_path / "bench" / "cost.json").exists()
 
 
 def test_a_claimed_cell_is_skipped_while_its_process_lives_and_taken_over_after(tmp_path):

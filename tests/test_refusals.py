@@ -407,6 +407,8 @@ CASES = [
     Case("bench_timing_resolution", "bench", ["timing.resolution=7", "out_dir={box}/run"], names="timing.resolution"),
     Case("bench_speedups_missing", "bench", ["train.speedups_from={box}/nope.json", "out_dir={box}/run"],
          names="train.speedups_from"),
+    Case("bench_speedups_garbage", "bench", ["train.speedups_from={box}/junk.bin", "out_dir={box}/run"],
+         names="train.speedups_from"),
 ]
 
 

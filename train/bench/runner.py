@@ -102,32 +102,36 @@ def check_before_writing(bench: DictConfig, pairs: list) -> None:
                               f"({cell.key}); e.g. timing.resolution={patch * 16}.")
 
 
-def refuse_missing_baselines(bench: DictConfig, pairs: list) -> None:
-    """A routed cell's step budget is equal compute with its backbone's unrouted step: without that cell's cost it
-    would silently train the unrouted step count, so a grid that leaves it out is refused before any work."""
-    if bench.train.get("steps") is None:
-        return  # wall-clock budgets need no speedup
+def refuse_missing_costs(bench: DictConfig, pairs: list) -> None:
+    """Before any work, every cost the step budgets read must exist: each pair's, and under a step budget each routed
+    pair's unrouted cell, whose step time sets its equal-compute budget (without it the routed cell would silently
+    train the unrouted step count). They come from this bench's own grid, or from `train.speedups_from`."""
+    keys = {c.key for c in pairs}
+    baselines = {f"{c.backbone}-none" for c in pairs if c.routing != "none"} if bench.train.get("steps") is not None else set()
     source = speedups_source(bench)
-    measured = {c.key for c in pairs} if source is None else set(json.loads(source.read_text())["cells"])
-    lacking = sorted({f"{c.backbone}-none" for c in pairs if c.routing != "none"} - measured)
+    if source is not None:
+        try:
+            theirs = set(json.loads(source.read_text())["cells"])
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"train.speedups_from={str(source)!r} is not a bench's cost.json; point it at one "
+                              "(e.g. docs/bench/fashion/cost.json).") from None
+        missing = sorted((keys | baselines) - theirs)
+        if missing:
+            raise ConfigError(f"train.speedups_from={str(source)!r} has no cost of {missing}; give a cost.json measured for those pairs.")
+        return
+    lacking = sorted(baselines - keys)
     if lacking:
         raise ConfigError(f"{lacking[0]} is not in the grid (grid.routings, grid.skip), but its backbone's routed cells take "
                           "their equal-compute step budget from its step time; add none to grid.routings (measured cells "
                           "are reused).")
 
 
-def budget_cost_cells(bench: DictConfig, own: dict, keys: list[str]) -> dict:
+def budget_cost_cells(bench: DictConfig, own: dict) -> dict:
     """The cost cells whose measured speedups set the step budgets: this bench's own, or with
     `train.speedups_from` another bench's cost.json, so that two benches that differ only in what the step does
-    not cost (the objective, say) train exactly the same step counts."""
+    not cost (the objective, say) train exactly the same step counts (refuse_missing_costs checked it holds them)."""
     path = speedups_source(bench)
-    if path is None:
-        return own
-    theirs = json.loads(path.read_text())["cells"]
-    missing = [key for key in keys if key not in theirs]
-    if missing:
-        raise ConfigError(f"train.speedups_from={str(path)!r} has no cost of {missing}; give a cost.json measured for those pairs.")
-    return theirs
+    return own if path is None else json.loads(path.read_text())["cells"]
 
 
 def refuse_another_scorer(cells_dir: Path, clf_meta: dict, weights: Path) -> None:
@@ -175,7 +179,7 @@ def run(bench: DictConfig, record: HydraRecord | None = None) -> list[dict]:
     pairs = [c for c in cells if c.seed == seeds[0]]
     if not cells:
         raise ConfigError("grid.skip removes every pair of the grid; keep at least one backbone-routing pair.")
-    refuse_missing_baselines(bench, pairs)
+    refuse_missing_costs(bench, pairs)
     cfg = pairs[0].cfg
     dataset = build_dataset(cfg.data, cfg.edm.sigma_data)
     timing_shape = (dataset.shape[0], bench.timing.resolution, bench.timing.resolution)
@@ -204,7 +208,7 @@ def run(bench: DictConfig, record: HydraRecord | None = None) -> list[dict]:
 
     # Step budgets (train.steps): equal compute from the measured speedups, when not a wall-clock budget.
     steps = bench.train.get("steps")
-    budget_costs = budget_cost_cells(bench, cost["cells"], [c.key for c in pairs])
+    budget_costs = budget_cost_cells(bench, cost["cells"])
     for cell in cells:
         budget = steps.get(cell.backbone) if steps is not None else None
         set_step_budget(cell, budget, speedups(budget_costs.get(f"{cell.backbone}-none"), budget_costs[cell.key])["measured_speedup"])
