@@ -113,3 +113,28 @@ def peak_memory_bytes(fn: Callable[[], None], device) -> int | None:
 def now() -> str:
     """Local time to the second, for the dates the benchmarks record."""
     return datetime.datetime.now().isoformat(timespec="seconds")
+
+
+# Peak DRAM bandwidth (bytes/s) of the cards the project measures on, from their data sheets: torch exposes no
+# such property, so a card not listed prints its achieved bandwidth without a fraction.
+CARD_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12, "L40S": 0.864e12, "RTX 4090": 1.008e12}
+
+
+def card_bandwidth(device) -> float | None:
+    """Peak DRAM bandwidth of `device` in bytes/s, or None off CUDA or for a card not in CARD_BANDWIDTH."""
+    if torch.device(device).type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((bw for key, bw in CARD_BANDWIDTH.items() if key in name), None)
+
+
+def roofline(bytes_moved: int, programs: int, seconds: float | None = None, device="cpu") -> str:
+    """One line placing a kernel against the memory roofline: bytes it moves, programs it launches and, when
+    timed on a card of known bandwidth, the achieved bandwidth as a fraction of the card's peak."""
+    line = f"moves {bytes_moved / 1e6:.1f} MB in {programs:,} programs"
+    peak = card_bandwidth(device)
+    if peak is not None:
+        line += f"; roofline {bytes_moved / peak * 1e3:.3f} ms"
+        if seconds:
+            line += f"; achieved {bytes_moved / seconds / 1e9:.0f} GB/s = {bytes_moved / seconds / peak:.0%} of peak"
+    return line
