@@ -293,7 +293,8 @@ def test_adapter_only_checkpoint_round_trips_exactly(tmp_path):
         FlowLoss()(net, x, cond, t, torch.randn_like(x)).mean().backward()
         optimizer.step()
     save_lora(net.model, tmp_path / "lora")
-    assert sorted(p.name for p in (tmp_path / "lora").iterdir()) == ["adapter_config.json", "pytorch_lora_weights.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "lora").iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
+                                                                     "pytorch_lora_weights.safetensors", "tread_zoo_lora.json"]
     saved = lora_state_dict(net.model)
     assert all(".lora_" in k for k in saved)
 

@@ -91,7 +91,8 @@ def test_cli_fine_tunes_flux_keeping_only_the_adapter_then_samples(models, tmp_p
     preset = ["+experiment=finetune_flux", f"finetune.pretrained={models['flux']}", f"finetune.prompts={models['flux_prompts']}",
               "finetune.dtype=fp32", "finetune.gradient_checkpointing=false", "trainer.mixed_precision=no", "trainer.lr=1e-2",
               "finetune.lora.rank=4", "finetune.lora.alpha=8", "finetune.lora.targets=attention_mlp", "data=digits"]
-    result = run_cli("train", *preset, *FAST, "trainer.max_steps=3", "trainer.ckpt_every=3", f"run_dir={run}")
+    fast = [a for a in FAST if not a.startswith(("trainer.max_steps=", "trainer.ckpt_every="))]  # each key once on a command line
+    result = run_cli("train", *preset, *fast, "trainer.max_steps=3", "trainer.ckpt_every=3", f"run_dir={run}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"flux from {models['flux']}" in result.stdout
 
@@ -122,6 +123,17 @@ def test_cli_fine_tunes_flux_keeping_only_the_adapter_then_samples(models, tmp_p
     load_lora(ours_too, ckpt / "lora")
     with torch.no_grad():
         assert torch.equal(adapt(ours_too).reference(x, t, cond), ours)
+
+    # lora_raw/ is the raw adapter (model.safetensors) in the same format, which the pipeline loads likewise.
+    raw = load_file(ckpt / "lora_raw" / "pytorch_lora_weights.safetensors")
+    assert set(raw) == {f"transformer.{k}" for k in weights} and all(torch.equal(raw[f"transformer.{k}"], weights[k]) for k in weights)
+    pipe = pipeline_with("flux", load_pretrained("flux", models["flux"]))
+    pipe.load_lora_weights(ckpt / "lora_raw")
+    raw_model = load_pretrained("flux", models["flux"])
+    load_lora(raw_model, ckpt / "lora_raw")
+    with torch.no_grad():
+        raw_out = adapt(raw_model).reference(x, t, cond)
+        assert (adapt(pipe.transformer).reference(x, t, cond) - raw_out).abs().max() <= 1e-6 < (raw_out - ours).abs().max()
 
     out = tmp_path / "grid.png"
     sampled = run_cli("train.sample", str(run), "--steps", "2", "--per-class", "1", "--guidance", "2", "--out", str(out))

@@ -6,7 +6,8 @@ atomically, so a run killed mid-write never leaves a half checkpoint behind the 
 
 A fine-tuning checkpoint holds the trained tensors only: the LoRA tensors with peft's keys (or, with
 finetune.train=full, every weight with diffusers' keys), plus `lora/`, the EMA adapter as `save_lora` writes it:
-diffusers' pipeline format, which `FluxPipeline.load_lora_weights(lora/)` (and SD3's) loads, and load_lora too. The base weights stay in finetune.pretrained, whose config
+diffusers' pipeline format, which `FluxPipeline.load_lora_weights(lora/)` (and SD3's and Wan's) loads, and peft and
+load_lora too; `lora_raw/` is the raw (not averaged) adapter in the same format. The base weights stay in finetune.pretrained, whose config
 state.json records, so a changed base model is refused instead of silently mixed with the adapter.
 """
 
@@ -156,6 +157,9 @@ def save_checkpoint(ckpt_root: Path, step: int, model, ema_model, optimizer, cfg
             if cfg.finetune.train == "lora":
                 # The EMA adapter, for diffusers' pipelines and load_lora (under FSDP: its gathered tensors).
                 save_lora(pretrained_of(ema_model), tmp / "lora", tensors=None if gathered is None else ema_state)
+                # The raw adapter (the last step's, not averaged) in the same format: model.safetensors holds it with
+                # peft's keys for resuming, which diffusers' loaders do not read.
+                save_lora(pretrained_of(model), tmp / "lora_raw", tensors=None if gathered is None else model_state)
         (tmp / "state.json").write_text(json.dumps(state))
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     except BaseException as err:

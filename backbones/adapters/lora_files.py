@@ -1,15 +1,20 @@
-"""LoRA files: the adapter of a fine-tuned transformer in diffusers' pipeline format, and loading it back.
+"""LoRA files: the adapter of a fine-tuned transformer in a folder that diffusers, peft and tread-zoo all read.
 
 `save_lora(model, folder)` writes, each file atomically:
 - `pytorch_lora_weights.safetensors`: the LoRA tensors with `transformer.`-prefixed peft keys and the adapter's
   peft settings in the `lora_adapter_metadata` header entry, as diffusers' own training scripts write it. Flux, SD3
   and Wan: written by the pipeline's `save_lora_weights`, so `FluxPipeline.load_lora_weights(folder)` (and SD3's,
-  and `WanPipeline`'s) loads it with no other argument. PixArt and DiT: the same format, though no diffusers pipeline or model of
-  theirs loads a LoRA (diffusers 0.42 gives them no LoRA loader), so `load_lora` is the way back;
-- `adapter_config.json`: our record, the LoRA settings and the model's class and config, which `load_lora` checks.
+  and `WanPipeline`'s) loads it with no other argument, and so does the transformer's own
+  `load_lora_adapter(folder, prefix="transformer")`. PixArt and DiT: the same format, though no diffusers pipeline or
+  model of theirs loads a LoRA (diffusers 0.42 gives them no LoRA loader), so `load_lora` is the way back;
+- `adapter_model.safetensors` and `adapter_config.json`: the same tensors as peft's `save_pretrained` writes them
+  (keys under `base_model.model.`, peft's LoraConfig schema), so `peft.PeftModel.from_pretrained(model, folder)` loads
+  the adapter onto the base model, for every family;
+- `tread_zoo_lora.json`: our record, the LoRA settings and the model's class and config, which `load_lora` checks.
 
-`load_lora(model, folder)` reads that layout and the one written before it (format tread-zoo-lora/1:
-`adapter_model.safetensors` with unprefixed peft keys), so old run folders still load.
+`load_lora(model, folder)` reads that layout and the two written before it, whose record was `adapter_config.json`
+itself: format tread-zoo-lora/2 (the diffusers file alone) and tread-zoo-lora/1 (`adapter_model.safetensors` with
+unprefixed peft keys), so old run folders still load.
 """
 
 from __future__ import annotations
@@ -20,19 +25,23 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from backbones.adapters.lora import LoraSpec, add_lora, load_lora_state_dict, lora_state_dict
 from backbones.adapters.pretrained import family_of, model_config
 from routing import ConfigError
 
-FORMAT = "tread-zoo-lora/2"
+FORMAT = "tread-zoo-lora/3"
+FORMAT_V2 = "tread-zoo-lora/2"  # the diffusers file, with our record under adapter_config.json
 FORMAT_V1 = "tread-zoo-lora/1"  # adapter_model.safetensors with peft's keys, unprefixed
 WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
-WEIGHTS_V1 = "adapter_model.safetensors"
-CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"  # peft's SAFETENSORS_WEIGHTS_NAME (format 1 used the name too)
+PEFT_CONFIG = "adapter_config.json"  # peft's CONFIG_NAME (formats 1 and 2 kept our record there)
+RECORD = "tread_zoo_lora.json"
+WEIGHTS_OF = {FORMAT: WEIGHTS, FORMAT_V2: WEIGHTS, FORMAT_V1: PEFT_WEIGHTS}  # the file load_lora reads, per format
 PREFIX = "transformer."  # the pipeline component the LoRA belongs to, as diffusers keys it
+PEFT_PREFIX = "base_model.model."  # where a PeftModel keeps the model it wraps, as peft keys its saved tensors
 # The pipelines whose `load_lora_weights` reads the export; the other families have no LoRA loader in diffusers.
 LORA_PIPELINES = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline", "wan": "WanPipeline"}
 
@@ -44,7 +53,7 @@ def adapter_metadata(model: nn.Module) -> dict:
 
 
 def save_lora(model: nn.Module, folder: str | os.PathLike, tensors: dict | None = None) -> Path:
-    """Write the model's adapter in diffusers' pipeline format, plus adapter_config.json (see the module docstring).
+    """Write the model's adapter for diffusers, peft and load_lora (see the module docstring).
 
     `tensors`: the LoRA tensors with peft's keys, when the model's own are not whole (gathered from FSDP shards)."""
     import diffusers
@@ -54,7 +63,7 @@ def save_lora(model: nn.Module, folder: str | os.PathLike, tensors: dict | None 
     folder.mkdir(parents=True, exist_ok=True)
     tensors = lora_state_dict(model) if tensors is None else tensors
     spec, family = model._tread_lora, family_of(model)
-    meta = {
+    record = {
         "format": FORMAT,
         "weights": WEIGHTS,
         "lora": {**asdict(spec), "targets": list(spec.targets)},
@@ -73,8 +82,12 @@ def save_lora(model: nn.Module, folder: str | os.PathLike, tensors: dict | None 
                 LoraBaseMixin.pack_weights(tensors, PREFIX[:-1]), str(tmp), is_main_process=True, weight_name=WEIGHTS,
                 save_function=None, safe_serialization=True,
                 lora_adapter_metadata=LoraBaseMixin.pack_weights(adapter_metadata(model), PREFIX[:-1]))
-        (tmp / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
-        for name in (WEIGHTS, CONFIG):
+        # peft's own pair, as PeftModel.save_pretrained writes it (its config's save_pretrained adds peft_type and
+        # the peft version).
+        save_file({PEFT_PREFIX + k: v for k, v in tensors.items()}, tmp / PEFT_WEIGHTS, metadata={"format": "pt"})
+        model.peft_config["default"].save_pretrained(str(tmp))
+        (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        for name in (WEIGHTS, PEFT_WEIGHTS, PEFT_CONFIG, RECORD):  # the record last: it marks the folder complete
             os.replace(tmp / name, folder / name)  # each file whole or not at all
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -82,23 +95,28 @@ def save_lora(model: nn.Module, folder: str | os.PathLike, tensors: dict | None 
 
 
 def read_lora_config(folder: str | os.PathLike) -> dict:
+    """Our record of an adapter folder: tread_zoo_lora.json, or adapter_config.json in the formats before it."""
     folder = Path(folder)
-    if not (folder / CONFIG).is_file():
-        raise ConfigError(f"'{folder}' is not a LoRA adapter folder (it needs {CONFIG} and {WEIGHTS}, as save_lora writes).")
-    meta = json.loads((folder / CONFIG).read_text())
-    if meta.get("format") not in (FORMAT, FORMAT_V1):
-        raise ConfigError(f"'{folder / CONFIG}' has format {meta.get('format')!r}, expected {FORMAT!r}.")
-    weights = folder / (WEIGHTS if meta["format"] == FORMAT else WEIGHTS_V1)
+    if (folder / RECORD).is_file():
+        meta = json.loads((folder / RECORD).read_text())
+    elif (folder / PEFT_CONFIG).is_file() and "format" in (old := json.loads((folder / PEFT_CONFIG).read_text())):
+        meta = old
+    else:
+        raise ConfigError(f"'{folder}' is not a LoRA adapter folder (it needs {RECORD} and {WEIGHTS}, as save_lora writes).")
+    if meta.get("format") not in (FORMAT, FORMAT_V2, FORMAT_V1):
+        raise ConfigError(f"'{folder}' records format {meta.get('format')!r}, expected {FORMAT!r}.")
+    weights = folder / WEIGHTS_OF[meta["format"]]
     if not weights.is_file():
-        raise ConfigError(f"'{folder}' lacks {weights.name}, which its {CONFIG} names; export the adapter again.")
+        raise ConfigError(f"'{folder}' lacks {weights.name}, which its record names; export the adapter again.")
     return meta
+
 
 
 def read_lora_tensors(folder: str | os.PathLike) -> dict:
     """The LoRA tensors of an adapter folder with peft's keys (the `transformer.` prefix of the export removed)."""
     meta = read_lora_config(folder)
     if meta["format"] == FORMAT_V1:
-        return load_file(Path(folder) / WEIGHTS_V1)
+        return load_file(Path(folder) / PEFT_WEIGHTS)
     tensors = load_file(Path(folder) / WEIGHTS)
     foreign = sorted(k for k in tensors if not k.startswith(PREFIX))
     if foreign:
