@@ -169,6 +169,7 @@ class Backbone(nn.Module):
         """Route through `router`, with a fusion layer for each of its SPRINT routes (TREAD routes add nothing,
         so their models keep the parameters, state-dict keys and outputs they always had)."""
         self.router = router
+        router.tokens = self.grid[0] * self.grid[1]  # lets router.set_draws draw before the forward (outside a compiled graph)
         self.fusions = nn.ModuleDict({str(r.start_layer_idx): SparseDenseFusion(self.hidden_size)
                                       for r in router.routes if r.mode == "sprint"})
 

@@ -53,7 +53,7 @@ class RoutingPolicy(ABC):
 
     @abstractmethod
     def select(
-        self, x: torch.Tensor, grid: Grid, selection_ratio: float, generator: torch.Generator | None,
+        self, x: torch.Tensor, grid: Grid, selection_ratio: float, generator: torch.Generator | Drawn | None,
         force_keep: torch.Tensor | None = None,
     ) -> Selection:
         """x: (B, N, D) tokens in raster order on `grid`; force_keep: (B, N) bool, tokens always processed."""
@@ -64,14 +64,30 @@ def kept(n: int, selection_ratio: float) -> int:
     return int(n * (1.0 - selection_ratio) + 1e-9)
 
 
-def uniform_scores(b: int, n: int, generator: torch.Generator | None, device) -> torch.Tensor:
+@dataclass(frozen=True)
+class Drawn:
+    """Uniform scores drawn before the forward (`Router.set_draws`), handed to a policy in place of a generator.
+
+    scores: (B, W) in [0, 1), this micro-batch's rows of the global batch's draws; a policy that needs n <= W
+    scores per sample takes the first n columns. Drawing outside the forward keeps torch.Generator calls out of a
+    compiled graph, and makes the route of a sample a function of its index in the global batch alone.
+    """
+
+    scores: torch.Tensor
+
+
+def uniform_scores(b: int, n: int, generator: torch.Generator | Drawn | None, device) -> torch.Tensor:
     """(B, N) uniform scores.
 
     With a CPU generator (or none) they are drawn on the CPU and copied, so a seed picks the same tokens on
     any device. A generator that lives on an accelerator (torch.Generator(device="cuda")) draws there, which
     saves the host-to-device copy every route; its stream differs from the CPU one, so a seed's choice then
-    depends on the generator's device (as with any torch draw).
+    depends on the generator's device (as with any torch draw). Scores already drawn (`Drawn`) are sliced.
     """
+    if isinstance(generator, Drawn):
+        if generator.scores.shape[0] != b or generator.scores.shape[1] < n:
+            raise ValueError(f"{tuple(generator.scores.shape)} drawn scores cannot give ({b}, {n}); draw them for this batch and grid.")
+        return generator.scores[:, :n].to(device)
     if generator is not None and generator.device.type != "cpu":
         return torch.rand(b, n, generator=generator, device=generator.device).to(device)
     return torch.rand(b, n, generator=generator).to(device)

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from routing.errors import ConfigError
-from routing.policy import Grid, NoRouting, RoutingPolicy, uniform_scores
+from routing.policy import Drawn, Grid, NoRouting, RoutingPolicy, uniform_scores
 from routing.route import Route
 
 
@@ -51,10 +51,62 @@ class Router:
         self.fp32_after_route = fp32_after_route
         # Gradient checkpointing: each block's activations are recomputed in the backward pass instead of kept.
         self.checkpointing = checkpointing
-        self.generator: torch.Generator | None = None  # set by the trainer: per-rank, per-step seeded
+        # Draws of forwards outside training (sampling, routed guidance, adapters' callers); training uses set_draws.
+        self.generator: torch.Generator | None = None
+        # The sequence length the routes see (set by the backbone), so that set_draws can draw before the forward.
+        self.tokens: int | None = None
+        self._draw_spec: tuple[torch.Generator, int, int] | None = None  # (generator at its set_draws state, start, total)
+        self._drawn: torch.Tensor | None = None  # (total, routes, tokens + 1), rolled so this micro-batch's rows come first
         self.last_masks: list[torch.Tensor] = []  # per route, (B, N) bool of processed tokens
         self._unforced_routes: list[Route] | None = None  # the trained routes while `forced` is active
         self.drop_paths = False  # SPRINT routes skip their blocks and feed only mask tokens (Path-Drop Guidance)
+
+    def set_draws(self, generator: torch.Generator | None, start: int = 0, total: int | None = None) -> None:
+        """Draw the routes of the next training forwards as rows start..start+b of the global batch's draws.
+
+        generator: seeded only by (seed, step), on the training device; total: the global batch size; start: this
+        micro-batch's offset in it. Every route draw (a policy's uniform scores, SPRINT's path drop) then comes from
+        one (total, routes, tokens + 1) uniform tensor, row i for sample i: a sample's route depends on (seed, step,
+        sample index) only, so 1 process, N processes and any grad_accum train the same routes. The draw happens
+        here when the backbone set `tokens` (outside a compiled or captured forward), else at the first forward.
+        The generator's state is copied, so the caller may pass one generator to every micro-batch of a step.
+        None returns training forwards to `generator` (per-forward draws).
+        """
+        if generator is None:
+            self._draw_spec, self._drawn = None, None
+            return
+        total = int(total) if total is not None else None
+        if total is None or not 0 <= start < total:
+            raise ValueError(f"set_draws needs 0 <= start < total (the micro-batch's offset in the global batch), got start={start}, total={total}.")
+        own = torch.Generator(device=generator.device)
+        own.set_state(generator.get_state())
+        self._draw_spec, self._drawn = (own, int(start), total), None
+        if self.tokens is not None:
+            self._drawn = self._draw(self.tokens)
+
+    def _draw(self, tokens: int) -> torch.Tensor:
+        """(total, routes, tokens + 1) uniform draws, rolled so that this micro-batch's rows come first: columns
+        [:tokens] are a route's token scores, the last its path-drop draw. The roll, not a slice, keeps one shape for
+        every micro-batch (a compiled forward takes rows [:b] and never specializes on `start`)."""
+        generator, start, total = self._draw_spec
+        replay = torch.Generator(device=generator.device)
+        replay.set_state(generator.get_state())  # every draw of one set_draws gives the same tensor
+        u = torch.rand(total, max(len(self.routes), 1), tokens + 1, generator=replay, device=generator.device)
+        return u.roll(-start, 0)
+
+    def _route_draws(self, position: int, x: torch.Tensor, training: bool) -> tuple[torch.Generator | Drawn | None, torch.Tensor | None]:
+        """(what the policy draws from, (B, 1) path-drop uniforms or None) for the route at `position` in `routes`."""
+        if self._draw_spec is None or not training:
+            return self.generator, None
+        b, n, _ = x.shape
+        if self._drawn is None or self._drawn.shape[-1] != n + 1:
+            self._drawn = self._draw(n)  # tokens unknown or changed (bucketed data): drawn here, eagerly
+        if not torch.compiler.is_compiling():
+            _, start, total = self._draw_spec
+            if start + b > total:
+                raise ValueError(f"a micro-batch of {b} at offset {start} exceeds the global batch of {total} given to set_draws.")
+        rows = self._drawn[:b, position].to(x.device)  # (total, routes, N + 1) -> (B, N + 1)
+        return Drawn(rows[:, :n]), rows[:, n:]
 
     @property
     def fuses(self) -> bool:
@@ -121,22 +173,24 @@ class Router:
         """
         self.last_masks = []
         routes = self.active_routes(training)
-        i, depth = 0, len(blocks)
+        i, depth, position = 0, len(blocks), 0
         while i < depth:
             route = routes.get(i)
             if route is None:
                 x = self._block(blocks[i], x, c, grid)
                 i += 1
                 continue
+            draws = self._route_draws(position, x, training)
+            position += 1
             if route.mode == "sprint":
                 key = str(route.start_layer_idx)
                 fusion = fusions[key] if fusions is not None and key in fusions else None
                 if fusion is None:
                     raise ConfigError(f"route r{route.start_layer_idx}->{route.end_layer_idx} is a SPRINT route, but the model has no "
                                       "fusion layer for it; only the backbones (dit, rwkv, mamba, diffmoe) train SPRINT routes.")
-                x = self._run_fusing_route(blocks, route, x, c, grid, force_keep, fusion, training)
+                x = self._run_fusing_route(blocks, route, x, c, grid, force_keep, fusion, training, draws)
             else:
-                x = self._run_route(blocks, route, x, c, grid, force_keep)
+                x = self._run_route(blocks, route, x, c, grid, force_keep, draws)
             i = route.end_layer_idx + 1
             if self.fp32_after_route and i < depth:
                 # TREAD's note: under bf16 the first block after a route can be unstable; run it in fp32.
@@ -152,16 +206,17 @@ class Router:
             return checkpoint(block, x, c, grid, use_reentrant=False)
         return block(x, c, grid)
 
-    def _run_route(self, blocks, route: Route, x, c, grid, force_keep=None):
-        index, x_sub = self._gather_and_run(blocks, route, x, c, grid, force_keep)
+    def _run_route(self, blocks, route: Route, x, c, grid, force_keep=None, draws=(None, None)):
+        index, x_sub = self._gather_and_run(blocks, route, x, c, grid, force_keep, draws[0])
         # Out of place: `x` itself stays in the autograd graph, so bypassing tokens get gradients too.
         return x.scatter(1, index, x_sub.to(x.dtype))
 
-    def _gather_and_run(self, blocks, route: Route, x, c, grid, force_keep=None):
-        """The policy's subset of x through blocks start..end: (index (B, K, D), processed subset (B, K, D))."""
+    def _gather_and_run(self, blocks, route: Route, x, c, grid, force_keep=None, source=None):
+        """The policy's subset of x through blocks start..end: (index (B, K, D), processed subset (B, K, D)).
+        source: what the policy draws from (a generator, or this route's scores from set_draws)."""
         # Policies written before force-keep masks existed keep working when no mask is given.
         extra = {} if force_keep is None else {"force_keep": force_keep}
-        sel = self.policy.select(x, grid, route.selection_ratio, self.generator, **extra)
+        sel = self.policy.select(x, grid, route.selection_ratio, source, **extra)
         b, n, d = x.shape
         index = sel.indices[:, :, None].expand(-1, -1, d)  # (B, K) -> (B, K, D)
         x_sub = x.gather(1, index)  # (B, K, D)
@@ -171,7 +226,7 @@ class Router:
         self.last_masks.append(mask)
         return index, x_sub
 
-    def _run_fusing_route(self, blocks, route: Route, x, c, grid, force_keep, fusion: Fusion, training: bool):
+    def _run_fusing_route(self, blocks, route: Route, x, c, grid, force_keep, fusion: Fusion, training: bool, draws=(None, None)):
         """SPRINT: the start state x is the dense-shallow path; the route's output, with the mask token at every
         bypassing position, is the sparse-deep path; fusion(deep, shallow) goes on to the dense decoder."""
         b, n, d = x.shape
@@ -180,7 +235,7 @@ class Router:
             self.last_masks.append(torch.zeros(b, n, dtype=torch.bool, device=x.device))
             return fusion(mask_tokens, x)
         if route.selection_ratio > 0:
-            index, x_sub = self._gather_and_run(blocks, route, x, c, grid, force_keep)
+            index, x_sub = self._gather_and_run(blocks, route, x, c, grid, force_keep, draws[0])
             deep = mask_tokens.scatter(1, index, x_sub.to(x.dtype))
         else:  # every token (inference, or SPRINT's full-token second stage): no gather, no scatter
             deep = x
@@ -190,7 +245,8 @@ class Router:
         if training and route.path_drop > 0:
             # Path drop: the whole deep path of a sample becomes mask tokens, so the decoder also learns the
             # shallow-only prediction that Path-Drop Guidance uses as its weak branch.
-            dropped = uniform_scores(b, 1, self.generator, x.device)[:, :, None] < route.path_drop  # (B, 1) -> (B, 1, 1)
+            u = draws[1] if draws[1] is not None else uniform_scores(b, 1, draws[0], x.device)  # (B, 1)
+            dropped = u[:, :, None] < route.path_drop  # (B, 1) -> (B, 1, 1)
             deep = torch.where(dropped, mask_tokens, deep.to(x.dtype))
         return fusion(deep.to(x.dtype), x)
 
