@@ -1,5 +1,5 @@
 """Metrics to metrics.jsonl (one JSON object per line) and to accelerate's trackers (trainer.log_with), on the main
-process only."""
+process only; and `recipe`, the routing recipe in words for the run's banner and train.sample."""
 
 from __future__ import annotations
 
@@ -43,3 +43,19 @@ class MetricsLogger:
     def close(self) -> None:
         if self.trackers is not None:
             self.trackers.end_training()
+
+
+def recipe(routing) -> str:
+    """The routing recipe of a `routing` config group in words: SPRINT when a route fuses, else TREAD, with the
+    selection policy (random, structured, rows, ...) and each route's span; e.g. "SPRINT (structured selection:
+    0.75 bypass blocks 2..-3, path drop 0.1)". A config's `policy` alone (structured for routing=sprint and
+    routing=structured alike) does not tell the recipes apart."""
+    routes = list(routing.get("routes") or [])
+    if not routes or routing.get("policy", "none") == "none":
+        return "dense (no routing)"
+    name = "SPRINT" if any(r.get("mode", "tread") == "sprint" for r in routes) else "TREAD"
+    spans = []
+    for r in routes:
+        drop = f", path drop {r['path_drop']:g}" if r.get("path_drop") else ""
+        spans.append(f"{r['selection_ratio']:g} bypass blocks {r['start_layer_idx']}..{r['end_layer_idx']}{drop}")
+    return f"{name} ({routing.get('policy')} selection: {'; '.join(spans)})"

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 from contextlib import nullcontext
 from pathlib import Path
@@ -23,10 +24,11 @@ from edm.guidance import CFGDenoiser
 from routing import ConfigError
 from routing.router import count_flops
 from train.build import objective_name, sampling_objective
-from train.checkpoint import load_run
+from train.checkpoint import load_run, resolve_checkpoint
 from train.cli import ArgumentParser, add_sampling_rule_flags, bounded, check_sampling_rule_flags, device, friendly_errors, writable_file
 from train.data.prompts import encode_table, text_pipeline_of
-from train.grid import grid_labels, save_grid
+from train.grid import VIDEO_SUFFIXES, grid_labels, save_grid
+from train.logger import recipe
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,7 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rg-bad", help="routing guidance: a weaker checkpoint as the weak branch (autoguidance-style)")
     parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--out", type=writable_file, help="PNG path, or for video runs .gif or .mp4 (default: "
-                        "<checkpoint>/samples_w<guidance>_seed<seed>.png, .gif for video)")
+                        "<checkpoint>/samples_<rule>_<sampler><steps>_seed<seed>[...].png, a name that carries every "
+                        "option that changes the samples; .gif for video)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the grid file if it exists (by default it is kept "
+                        "and the command refuses)")
     args = parser.parse_args(argv)
     check_sampling_rule_flags(parser, args)
     return args
@@ -58,10 +63,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @friendly_errors
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
-    loaded = load_run(args.checkpoint, args.device)
-    out = args.out or loaded.checkpoint / f"samples_w{args.guidance:g}_seed{args.seed}.png"
+    out = args.out or resolve_checkpoint(args.checkpoint) / default_name(args)
     if args.out is None and not os.access(out.parent, os.W_OK | os.X_OK):  # checked before sampling, not after
         raise ConfigError(f"cannot write the grid to {str(out.parent)!r} (not writable); pass --out PATH in a folder you can write to.")
+    loaded = load_run(args.checkpoint, args.device)
+    if len(latent_shape(loaded.dataset, args.size)) == 4 and out.suffix.lower() not in VIDEO_SUFFIXES:
+        out = out.with_suffix(".gif")  # video samples: save_grid writes an animated grid
+    if out.exists() and not args.overwrite:
+        raise ConfigError(f"'{out}' exists (samples of these options, or another grid); pass --overwrite to replace it, or "
+                          "--out PATH to write elsewhere.")
+    print(f"sampling a {recipe(loaded.cfg.routing)} model ({guidance_rule(args)})")
     trained = objective_name(loaded.cfg)
     if args.objective and args.objective != trained:
         raise ConfigError(f"checkpoint '{loaded.checkpoint}' was trained with objective={trained}, not --objective {args.objective}; "
@@ -98,8 +109,56 @@ def main(argv: list[str] | None = None) -> Path:
                  sampler=args.sampler, null_label=classes, progress=True, objective=objective, router=router,
                  route_ratio=args.route_ratio)
     out = save_grid(ds.to_images(x), out, per_row=args.per_class)  # video samples: an animated grid, GIF or MP4
-    print(f"wrote {out} ({len(labels)} samples, step {loaded.step}, objective {trained}, guidance {args.guidance:g})")
+    print(f"wrote {out} ({len(labels)} samples, step {loaded.step}, objective {trained}, {guidance_rule(args)})")
     return out
+
+
+def guidance_rule(args: argparse.Namespace) -> str:
+    """The sampling rule in words, as the last line reports it."""
+    parts = []
+    if args.pdg_scale != 1:
+        parts.append(f"path-drop guidance w={args.pdg_scale:g}")
+    if args.rg_scale != 1:
+        weak = f"--rg-bad {args.rg_bad}" if args.rg_bad else f"ratio {args.rg_gamma2:g}"
+        both = ", both branches unconditional" if args.rg_uncond else ""
+        parts.append(f"routing guidance w={args.rg_scale:g} (strong ratio {args.rg_gamma1 or 0:g}, weak {weak}{both})")
+    if args.guidance != 1 or not parts:
+        parts.append(f"CFG w={args.guidance:g}" if args.guidance != 1 else "no guidance")
+    if args.route_ratio:
+        parts.append(f"routed inference at ratio {args.route_ratio:g}")
+    return "rule: " + " + ".join(parts)
+
+
+def default_name(args: argparse.Namespace) -> str:
+    """The grid's file name: every option that changes the samples, so two different samplings never share a file."""
+    if args.pdg_scale != 1:
+        rule = f"pdg{args.pdg_scale:g}"
+    else:
+        rule = f"cfg{args.guidance:g}"
+        if args.rg_scale != 1:
+            weak = f"bad{digest(str(args.rg_bad))}" if args.rg_bad else f"{args.rg_gamma2:g}"
+            rule += f"_rg{args.rg_scale:g}-{args.rg_gamma1 or 0:g}-{weak}" + ("-uncond" if args.rg_uncond else "")
+    parts = [rule]
+    if args.route_ratio:
+        parts.append(f"route{args.route_ratio:g}")
+    if args.moe_threshold is not None:
+        parts.append(f"moe-th{args.moe_threshold:g}")
+    if args.moe_target is not None:
+        parts.append(f"moe-t{args.moe_target:g}")
+    parts += [f"{args.sampler}{args.steps}", f"seed{args.seed}", f"n{args.per_class}"]
+    if args.classes:
+        parts.append("c" + ("-".join(map(str, args.classes)) if len(args.classes) <= 4 else digest(" ".join(map(str, args.classes)))))
+    if args.prompt:
+        parts.append("p" + digest("\n".join(args.prompt)))  # the prompts' text does not fit a file name; its digest does
+    if args.size:
+        parts.append("{}x{}".format(*args.size))
+    if args.flux_guidance is not None:
+        parts.append(f"fg{args.flux_guidance:g}")
+    return "samples_" + "_".join(parts) + ".png"
+
+
+def digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
 def set_flux_guidance(loaded, value: float) -> None:

@@ -39,7 +39,7 @@ from train.distributed import ShardedEma, fsdp_accelerator, full_tensors, optimi
 from train.distributed.fsdp import local
 from train.grid import grid_labels, save_grid
 from train.files import read_metrics, write_atomic
-from train.logger import MetricsLogger
+from train.logger import MetricsLogger, recipe
 from train.rundir import HydraRecord, RunDirClaim, check_run_dir, move_aside, refuse_used
 from train.schema import check_config as schema_check
 from train.schema import resume_changes
@@ -498,7 +498,7 @@ class Trainer:
         model = (describe_finetuning(cfg, self.acc.unwrap_model(self.net)) if finetune_family(cfg) else
                  f"{cfg.backbone.name}-{cfg.backbone.preset}/{cfg.backbone.patch_size} ({params / 1e6:.2f}M params)")
         self.acc.print(f"{model}, "
-                       f"routing={cfg.routing.policy}, data={cfg.data.name} {tuple(self.dataset.shape)}, "
+                       f"routing={recipe(cfg.routing)}, data={cfg.data.name} {tuple(self.dataset.shape)}, "
                        f"{self.acc.num_processes} process(es) on {self.acc.device}, run_dir={self.run_dir}")
         losses = []
         budget = t.max_minutes * 60 if t.max_minutes else math.inf
