@@ -118,7 +118,10 @@ class SparseDenseFusion(nn.Module):
         nn.init.zeros_(self.proj.bias)
 
     def forward(self, deep: torch.Tensor, shallow: torch.Tensor) -> torch.Tensor:
-        return self.proj(torch.cat([deep, shallow], dim=-1))  # 2 x (B, N, D) -> (B, N, 2D) -> (B, N, D)
+        # The output rejoins the residual stream, so it keeps the stream's dtype: under autocast the Linear returns
+        # bf16, which would carry the decoder's residual sums in bf16 (and break RWKV's fp32 token-shift mixes).
+        fused = self.proj(torch.cat([deep, shallow], dim=-1))  # 2 x (B, N, D) -> (B, N, 2D) -> (B, N, D)
+        return fused.to(shallow.dtype)
 
 
 class Backbone(nn.Module):

@@ -26,6 +26,17 @@ PRESETS = {
     "S": dict(hidden_size=384, depth=12, mlp_ratio=4.0),
     "B": dict(hidden_size=768, depth=12, mlp_ratio=4.0),
     "L": dict(hidden_size=1024, depth=24, mlp_ratio=4.0),
+    # Sized after papers; `python -m train.bench.presets` prints each count beside the paper's (docs/presets.md).
+    # TREAD's RWKV row (Krause et al. 2025) gives only its size, 210M: DiT-B's width at the depth that comes
+    # nearest in this block.
+    "tread-210M": dict(hidden_size=768, depth=18, mlp_ratio=4.0),
+    # Diffusion-RWKV's DRWKV-S/B/M/L/H: the widths and depths of its release (models_drwkv.py). Its long skips
+    # between shallow and deep layers are not built here, so these hold fewer parameters than the originals.
+    "DRWKV-S": dict(hidden_size=384, depth=13, mlp_ratio=4.0),
+    "DRWKV-B": dict(hidden_size=384, depth=25, mlp_ratio=4.0),
+    "DRWKV-M": dict(hidden_size=512, depth=25, mlp_ratio=4.0),
+    "DRWKV-L": dict(hidden_size=768, depth=37, mlp_ratio=4.0),
+    "DRWKV-H": dict(hidden_size=1024, depth=37, mlp_ratio=4.0),
 }
 
 
@@ -59,6 +70,16 @@ def _channel_ramp(dim: int, power: float) -> torch.Tensor:
     return (torch.arange(dim, dtype=torch.float32) / dim) ** power
 
 
+def _mix(shifted: torch.Tensor, x: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
+    """Token-shift mix x mu + shifted (1 - mu), in the tokens' dtype.
+
+    torch.lerp needs one dtype for all three and autocast does not cover it: an fp32 mu on bf16 tokens (a bf16
+    residual stream, or a LayerNorm that autocast leaves in bf16, as on the CPU) would fail. mu is cast as
+    autocast casts a Linear's weight; its gradient still reaches the fp32 parameter.
+    """
+    return torch.lerp(shifted, x, mu.to(x.dtype))
+
+
 class SpatialMix(nn.Module):
     """Token mixing: y = W_o(sigmoid(r) * LN(BiWKV(w / T, u / T, k, v))) on Q-shift-mixed k, v, r."""
 
@@ -89,9 +110,9 @@ class SpatialMix(nn.Module):
         # lets one model run at any resolution; a routed subset is simply a shorter sequence.
         T = x.shape[1]
         shifted = q_shift(x, grid)
-        k = self.key(torch.lerp(shifted, x, self.mu_k))  # x mu + shifted (1 - mu)
-        v = self.value(torch.lerp(shifted, x, self.mu_v))
-        r = self.receptance(torch.lerp(shifted, x, self.mu_r))
+        k = self.key(_mix(shifted, x, self.mu_k))
+        v = self.value(_mix(shifted, x, self.mu_v))
+        r = self.receptance(_mix(shifted, x, self.mu_r))
         wkv = bi_wkv(self.spatial_decay / T, self.spatial_first / T, k, v)
         return self.output(torch.sigmoid(r) * self.key_norm(wkv))
 
@@ -110,8 +131,8 @@ class ChannelMix(nn.Module):
 
     def forward(self, x: torch.Tensor, grid: tuple[int, int] | None) -> torch.Tensor:
         shifted = q_shift(x, grid)
-        k = torch.relu(self.key(torch.lerp(shifted, x, self.mu_k))).square()
-        return torch.sigmoid(self.receptance(torch.lerp(shifted, x, self.mu_r))) * self.value(k)
+        k = torch.relu(self.key(_mix(shifted, x, self.mu_k))).square()
+        return torch.sigmoid(self.receptance(_mix(shifted, x, self.mu_r))) * self.value(k)
 
 
 class Block(nn.Module):

@@ -82,3 +82,28 @@ def test_presets():
     assert {"tiny", "S", "B", "L"} <= PRESETS.keys()
     assert PRESETS["S"]["hidden_size"] == 384 and PRESETS["S"]["depth"] == 12
     assert PRESETS["L"]["hidden_size"] == 1024 and PRESETS["L"]["depth"] == 24
+
+
+def test_block_takes_a_bf16_stream_under_autocast():
+    # A bf16 residual stream (a bf16 model, or a LayerNorm that CPU autocast leaves in bf16) meets fp32 token-shift
+    # mixes mu; the mix runs in the stream's dtype and the fp32 parameters still get their gradients.
+    block = _perturbed_block()
+    x = torch.randn(2, 12, 32).bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = block(x, torch.randn(2, 32), (3, 4))
+    out.float().square().sum().backward()
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+    for name, p in block.named_parameters():
+        assert p.dtype == torch.float32 and p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
+def test_paper_sized_presets():
+    from train.bench.presets import count_parameters
+
+    # TREAD reports its RWKV at 210M parameters; the preset lands within 5% (256 tokens, 1000 classes).
+    total, _ = count_parameters("rwkv", "tread-210M")
+    assert abs(total / 210e6 - 1) < 0.05
+    # Diffusion-RWKV's released widths and depths (models_drwkv.py), named as in its paper.
+    released = {"S": (384, 13), "B": (384, 25), "M": (512, 25), "L": (768, 37), "H": (1024, 37)}
+    for size, (width, depth) in released.items():
+        assert (PRESETS[f"DRWKV-{size}"]["hidden_size"], PRESETS[f"DRWKV-{size}"]["depth"]) == (width, depth)
