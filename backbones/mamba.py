@@ -34,6 +34,21 @@ PRESETS = {
     "S": dict(hidden_size=384, depth=12),
     "B": dict(hidden_size=768, depth=12),
     "L": dict(hidden_size=1024, depth=24),
+    # Sized after papers; `python -m train.bench.presets` prints each count beside the paper's (docs/presets.md).
+    # TREAD's Mamba row (Krause et al. 2025) gives only its size, 111M: DiT-B's width at the depth that comes
+    # nearest with this block (MLP kept, as in the presets above).
+    "tread-111M": dict(hidden_size=768, depth=9),
+    # DiS-S/B/M/L/H (Fei et al. 2024): the widths and depths of its release (models_dis.py), Vision Mamba blocks
+    # without an MLP. DiS conditions through time and label tokens and adds long skips; here adaLN-Zero conditions.
+    "DiS-S": dict(hidden_size=368, depth=24, mlp_ratio=0.0),
+    "DiS-B": dict(hidden_size=768, depth=24, mlp_ratio=0.0),
+    "DiS-M": dict(hidden_size=768, depth=48, mlp_ratio=0.0),
+    "DiS-L": dict(hidden_size=1024, depth=48, mlp_ratio=0.0),
+    "DiS-H": dict(hidden_size=1536, depth=48, mlp_ratio=0.0),
+    # DiM-L/H (Teng et al. 2024): its ImageNet-256 configs, 49 Mamba layers without an MLP, conv width 3, the scan
+    # order changing layer by layer. DiM scans one way per layer; this mixer scans both ways.
+    "DiM-L": dict(hidden_size=1024, depth=49, mlp_ratio=0.0, d_conv=3, scan_order="alternate"),
+    "DiM-H": dict(hidden_size=1536, depth=49, mlp_ratio=0.0, d_conv=3, scan_order="alternate"),
 }
 
 SCAN_ORDERS = ("row", "col", "row_rev", "col_rev")

@@ -92,3 +92,20 @@ def test_tiny_backbone_runs_and_starts_at_zero():
     out = model(x, torch.zeros(2), torch.tensor([1, 2]))
     assert out.shape == x.shape
     assert out.abs().max() == 0  # zero-initialised final layer
+
+
+def test_paper_sized_presets_and_their_counts_beside_the_papers(capsys, monkeypatch):
+    from train.bench import presets
+
+    total, _ = presets.count_parameters("mamba", "tread-111M")
+    assert abs(total / 111e6 - 1) < 0.05  # TREAD's Mamba row: 111M parameters
+    # DiS and DiM as released: Mamba blocks without an MLP at their widths and depths.
+    assert all(PRESETS[f"DiS-{s}"]["mlp_ratio"] == 0 for s in "SBMLH")
+    assert (PRESETS["DiM-H"]["hidden_size"], PRESETS["DiM-H"]["depth"], PRESETS["DiM-H"]["d_conv"]) == (1536, 49, 3)
+    # The command's table, on the rows that build fast (every row builds on the meta device the same way).
+    shown = [r for r in presets.REFERENCES if r.preset in ("tread-111M", "DiS-S", "DRWKV-S")]
+    monkeypatch.setattr(presets, "REFERENCES", shown)
+    presets.main([])
+    table = capsys.readouterr().out
+    assert f"{total / 1e6:.1f}M | " in table and f"{total / 111e6 - 1:+.1%}" in table
+    assert all(f"`{r.preset}`" in table for r in shown) and "not at hand" in table
