@@ -109,6 +109,10 @@ def check_config(cfg: DictConfig, num_processes: int = 1, device: torch.device |
         from train.data.latents import check_vae
 
         check_vae(cfg.data)  # a missing VAE folder fails now, not at the first preview grid
+    if cfg.data.name == "latents" and finetune_family(cfg):
+        from train.data.latents_space import check_latent_space
+
+        check_latent_space(cfg)  # a fine-tune trains in its pretrained model's latent space
     if cfg.fid.every:
         from train.metrics.fid import check_reference
 

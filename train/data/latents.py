@@ -6,7 +6,9 @@ The folder layout is written by `python -m train.cache_latents` and described in
 VAE posterior (fresh eps per call, from the caller's generator), scales it by the VAE's scaling
 factor and, with `normalize: standardize`, maps every channel to mean 0 and std sigma_data, which
 is the data scale the EDM preconditioning assumes (SD-VAE latents scaled by 0.18215 have a std
-near 1, not 0.5).
+near 1, not 0.5). A fine-tune instead trains in its pretrained model's latent space, the VAE's own
+(z - shift_factor) * scaling_factor (`normalize: scale`), which `normalize: auto` (the default) picks
+whenever finetune.family is set; `check_latent_space` refuses a cache that does not match the model.
 
 Shards are never loaded whole: each is opened as numpy memmaps on first use (the safetensors
 header gives every tensor's dtype, shape and byte offset), so random access costs only the rows
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 from routing.errors import ConfigError
+from train.data.latents_space import resolve_normalize
 from train.files import read_meta, read_stats
 
 DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
@@ -291,7 +294,7 @@ def build(cfg_data: Any, sigma_data: float) -> LatentDataset:
         )
     return LatentDataset(
         path=Path(str(path)).expanduser(),
-        normalize=_cfg_value(cfg_data, "normalize", "standardize"),
+        normalize=resolve_normalize(cfg_data),
         sigma_data=sigma_data,
         vae=_cfg_value(cfg_data, "vae"),
     )

@@ -42,7 +42,8 @@ class LatentsData:
 
     name: str = key("latents", "dataset", example="latents")
     path: Optional[str] = key(None, "the cache_latents --out folder (required)", example="/data/latents/in256")
-    normalize: str = key("standardize", "standardize: per-channel std sigma_data | scale: VAE factor only", choices=("standardize", "scale"), example="standardize")
+    normalize: str = key("auto", "auto: scale when fine-tuning, else standardize | standardize: per-channel std sigma_data | scale: the "
+                         "VAE's (z - shift) * scaling", choices=("auto", "standardize", "scale"), example="scale")
     vae: Optional[str] = key(None, "VAE for decoding sample grids (null: the one in meta.json)", example="/weights/sd-vae-ft-ema")
 
 
