@@ -4,7 +4,7 @@
     python -m train.bench.presets --latent 64      # 512x512 images (the count grows by the position table only)
 
 Every model is built on PyTorch's meta device: shapes without storage, so the billion-parameter presets cost no
-memory and the whole table takes about a second. The table of docs/presets.md is this command's output.
+memory and the whole table takes a few seconds. The table of docs/presets.md is this command's output.
 """
 
 from __future__ import annotations
