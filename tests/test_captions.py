@@ -116,9 +116,12 @@ def test_the_cache_is_rewritten_only_where_captions_images_or_encoders_changed(p
     folder = prepare_captions(cfg, log=logged.append)
     assert len(logged) == 3 and "encoding 4 distinct captions" in logged[0]
     text = (folder / "text.safetensors").read_bytes()
+    written = (folder / "manifest.json").stat()
     logged.clear()
     prepare_captions(cfg, log=logged.append)
     assert logged == []  # nothing changed: nothing encoded
+    again = (folder / "manifest.json").stat()  # and the manifest not rewritten (a rewrite is a new file: a new inode)
+    assert (again.st_ino, again.st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
 
     (data / "wide" / "d.txt").write_text("a tall blue disk")
     prepare_captions(cfg, log=logged.append)

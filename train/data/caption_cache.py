@@ -150,9 +150,10 @@ def prepare_captions(cfg, device: str | torch.device = "cpu", log=print, items=N
         "labels": [captions.index(item.caption) for item in items], "buckets": [list(s) for s in buckets], "bucket_of": bucket_of,
         "space": space, "vae": str(vae_dir.resolve()) if vae_dir is not None else None, "text_key": text_key, "latent_keys": latent_keys, "source": str(Path(str(d.path)).expanduser().resolve()),
     }
-    tmp = out / f".{MANIFEST}.{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    os.replace(tmp, out / MANIFEST)
+    if json.loads(json.dumps(manifest)) != old:  # written only when it changes, as the files it lists are
+        tmp = out / f".{MANIFEST}.{os.getpid()}"
+        tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+        os.replace(tmp, out / MANIFEST)
     return out
 
 
