@@ -11,7 +11,7 @@ result is already on disk, so a killed run continues where it stopped:
    median ("a sandal small").
 2. pipeline: a tiny FluxPipeline built from configs: random CLIP and T5 text encoders (word-level tokenizer over
    the caption words), no VAE (pixels, 1 channel packed 2x2: 256 image tokens), a FluxTransformer2DModel of 2
-   double-stream + 4 single-stream blocks, 96 wide.
+   double-stream + 4 single-stream blocks, 64 wide (4 heads of 16).
 3. pretrain: every weight on classes 0-4, dense (no routing), `--pretrain-steps`; its EMA transformer becomes the
    "pretrained" pipeline.
 4. lora: LoRA rank 16 on the attention projections of that pipeline, on classes 5-9, with routing none, random and
