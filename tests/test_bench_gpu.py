@@ -1,0 +1,170 @@
+"""`python -m train.bench.gpu`: its dry run covers every section, its budget skips and stops, its checks can fail,
+and a bad argument gets one sentence. The dry run runs the kernels through Triton's interpreter (conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from train.bench import gpu, gpu_checks, gpu_speed
+from train.bench.gpu_budget import Section, run_sections
+
+
+def test_dry_run_writes_every_section(tmp_path, capsys):
+    report = gpu.main(["--dry-run", "--out", str(tmp_path / "out")])
+    saved = json.loads((tmp_path / "out" / "report.json").read_text())
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert [s["name"] for s in saved["sections"]] == list(gpu.SECTION_NAMES)
+    for section in saved["sections"]:
+        # A dry run has time for everything, and every section's code runs without an error.
+        assert section["status"] in ("passed", "measured"), (section["name"], section["note"])
+        assert section["records"], section["name"]
+        assert f"{section['title']}: **{section['status']}**" in md
+    for heading in ("Kernels against their references", "Families on the device against the CPU", "Kernels at their reference shapes",
+                    "Training steps (train.bench.routing)", "python -m train against the bare step"):
+        assert f"## {heading}" in md
+    env = saved["environment"]
+    assert env["torch"] == torch.__version__ and env["triton"] and "device" in env and "commit" in env
+    kernels = {(r["kernel"], r["precision"]) for s in saved["sections"] if s["name"] == "kernels" for r in s["records"]}
+    assert kernels == {("selective scan (Triton)", p) for p in ("fp32", "bf16", "fp32, decay -1e5")} | {("Bi-WKV (Triton)", p) for p in ("fp32", "bf16")}
+    families = {(r["family"], r["precision"]) for s in saved["sections"] if s["name"] == "families" for r in s["records"]}
+    assert families == {(f, p) for f in ("dit", "rwkv", "mamba", "diffmoe") for p in ("fp32", "bf16")}
+    trainer = next(s for s in saved["sections"] if s["name"] == "trainer")["records"][0]
+    assert trainer["trainer_images_per_s"] > 0 and trainer["ratio"] > 0
+    # Tiny shapes on a CPU decide no goal, but every goal is listed.
+    assert len(saved["goals"]) == 11 and all(g["met"] is None for g in saved["goals"])
+    assert report["sections"][0]["records"][0]["passed"]
+    out = capsys.readouterr().out
+    assert "[" in out and "kernels:" in out and "wrote" in out  # progress lines
+
+
+def _sections(calls: list[str], estimates: dict[str, float], raise_in: str = "") -> list[Section]:
+    def run(name):
+        calls.append(name)
+        if name == raise_in:
+            raise RuntimeError("the kernel broke\nsecond line of detail")
+        return {"status": "measured", "records": [{"name": name}]}
+
+    return [Section(name, name.upper(), "steps", estimate, lambda name=name: run(name)) for name, estimate in estimates.items()]
+
+
+def test_budget_runs_in_order_and_skips_what_does_not_fit():
+    now = [0.0]
+    calls: list[str] = []
+    lines: list[str] = []
+
+    def clock():
+        return now[0]
+
+    sections = _sections(calls, {"a": 30, "b": 50, "c": 40, "d": 10})
+    for s in sections:  # each section takes exactly its estimate on the fake clock
+        s.run = (lambda f, est: lambda: (now.__setitem__(0, now[0] + est), f())[1])(s.run, s.estimate_s)
+    results = run_sections(sections, budget_s=85, clock=clock, log=lines.append)
+    # a (0-30) and b (30-80) run; c needs 40 with 5 left: skipped; d needs 10: skipped too; order kept.
+    assert calls == ["a", "b"]
+    assert [r["status"] for r in results] == ["measured", "measured", "skipped", "skipped"]
+    assert results[2]["note"] == "needs about 40 s, 5 s of the budget left"
+    assert any(line.endswith("skip c: needs about 40 s, 5 s of the budget left") for line in lines)
+    assert results[0]["records"] == [{"section": "a", "name": "a"}]
+
+
+def test_a_section_that_raises_is_one_line_and_the_run_goes_on():
+    calls: list[str] = []
+    results = run_sections(_sections(calls, {"a": 1, "b": 1}, raise_in="a"), budget_s=100, log=lambda line: None)
+    assert calls == ["a", "b"]
+    assert results[0]["status"] == "error" and results[0]["note"] == "RuntimeError: the kernel broke"
+    assert results[1]["status"] == "measured"
+
+
+def test_a_section_past_the_budget_is_stopped():
+    def forever():
+        time.sleep(30)
+        return {"status": "measured", "records": []}
+
+    calls: list[str] = []
+    sections = [Section("slow", "slow", "steps", 0.1, forever), *_sections(calls, {"after": 0.1})]
+    results = run_sections(sections, budget_s=0.4, log=lambda line: None)
+    assert results[0]["status"] == "stopped" and results[0]["seconds"] < 10
+    assert results[1]["status"] == "skipped" and calls == []
+
+
+def test_a_kernel_that_differs_from_its_reference_fails():
+    inputs = {"x": torch.randn(4, 8, dtype=torch.float64)}
+    upstream = torch.randn(4, 8, dtype=torch.float64)
+    good = gpu_checks._compare("k", "fp32", "4x8", lambda x: torch.tanh(x).float(), torch.tanh, inputs, upstream)
+    bad = gpu_checks._compare("k", "fp32", "4x8", lambda x: torch.tanh(x * 1.001).float(), torch.tanh, inputs, upstream)
+    assert good["passed"] and not bad["passed"] and bad["y_error"] > 1e-4
+
+
+def test_a_family_that_differs_on_the_device_fails(monkeypatch):
+    """The device copy with one weight changed by 1%: the fp32 comparison must see it (and the zero layers are
+    redrawn, so the output is not trivially zero on both sides)."""
+    real_copy = gpu_checks.device_copy
+
+    def perturbed(model, device):
+        copy = real_copy(model, device)
+        with torch.no_grad():
+            copy.final_layer.linear.weight.mul_(1.01)
+        return copy
+
+    monkeypatch.setattr(gpu_checks, "FAMILIES", ("dit",))
+    fp32, _ = gpu_checks.family_checks(torch.device("cpu"), "tiny", 8, 2, 2)
+    assert fp32["passed"] and fp32["redrawn_zero_layers"] > 0
+    monkeypatch.setattr(gpu_checks, "device_copy", perturbed)
+    fp32, _ = gpu_checks.family_checks(torch.device("cpu"), "tiny", 8, 2, 2)
+    assert not fp32["passed"] and fp32["output_error"] > 1e-3
+
+
+@pytest.mark.parametrize("help_line, modes, argv", [
+    ("  --compile             torch.compile every block", ("off", "blocks"), ["--compile"]),
+    ("  --compile {off,blocks,model}  compile mode", ("off", "blocks", "model"), ["--compile", "blocks"]),
+    ("  --compile COMPILE     compile mode", ("off", "blocks", "model"), ["--compile", "blocks"]),
+])
+def test_the_compile_mode_follows_what_routing_offers(monkeypatch, help_line, modes, argv):
+    def fake_main(args):
+        print(f"usage: ...\n{help_line}")
+        raise SystemExit(0)
+
+    monkeypatch.setattr(gpu_speed.routing, "main", fake_main)
+    gpu_speed.routing_compile_modes.cache_clear()
+    try:
+        assert gpu_speed.routing_compile_modes()[0] == modes
+        assert gpu_speed.routing_compile_argv("blocks") == argv
+        assert gpu_speed.routing_compile_argv("off") == ([] if argv == ["--compile"] else ["--compile", "off"])
+        assert gpu_speed.best_compile_mode() == modes[-1]
+    finally:
+        gpu_speed.routing_compile_modes.cache_clear()
+
+
+def test_todays_routing_and_trainer_compile_flags():
+    gpu_speed.routing_compile_modes.cache_clear()
+    modes, _ = gpu_speed.routing_compile_modes()
+    assert "blocks" in modes  # the real train.bench.routing offers per-block compile, in one form or the other
+    assert gpu_speed.trainer_compile_override("blocks") in ("trainer.compile=true", "trainer.compile=blocks")
+    assert gpu_speed.trainer_compile_override("off") in ("trainer.compile=false", "trainer.compile=off")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--dry-run", "--budget-s", "soon"], "'soon' is not a number"),
+    (["--dry-run", "--budget-s", "0"], "out of range"),
+    (["--dry-run", "--compile", "fast"], "invalid choice: 'fast'"),
+    (["--dry-run", "--sections", "everything"], "invalid choice: 'everything'"),
+    (["--dry-run", "--repeats", "0"], "out of range"),
+    (["--dry-run", "--device", "tpu"], "--device"),
+])
+def test_bad_arguments_get_one_sentence(capsys, argv, says):
+    with pytest.raises(SystemExit) as stop:
+        gpu.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and says in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with a GPU runs the full check")
+def test_the_full_check_without_a_gpu_says_how_to_dry_run(capsys):
+    with pytest.raises(SystemExit) as stop:
+        gpu.main([])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and "--dry-run" in err and len(err.splitlines()) == 1

@@ -1,0 +1,215 @@
+"""The whole GPU check in one command: correctness first, then every speed row of docs/performance.md.
+
+    python -m train.bench.gpu --out docs/gpu/h100-2026-11-26         # about 6 minutes on one H100
+    python -m train.bench.gpu --dry-run --out /tmp/gpu-dry            # every section at tiny shapes on the CPU
+
+Sections run in order of importance, each started only if its estimated time still fits the budget (--budget-s);
+one that does not fit is skipped with a line saying so, and one still running well past the budget (1.25x) is
+stopped there. A failed check or a section that raises is a line of the report, and the run goes on. It writes
+report.md and report.json into --out: device, versions, commit, every check and row, what was skipped, and the
+issue goals the rows decide. On a machine without a GPU the dry run takes the kernels through Triton's
+interpreter (TRITON_INTERPRET=1, set here before any kernel is imported).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+# Triton reads TRITON_INTERPRET when it is first imported (torch imports it): a dry run without a GPU chooses the
+# interpreter before anything else is imported. In-process callers set it themselves (tests/conftest.py does).
+if __name__ == "__main__" and "--dry-run" in sys.argv[1:] and not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+from train.bench.gpu_budget import Section, run_sections
+from train.cli import ArgumentParser, bounded, device as device_type, output_folder
+
+
+@dataclass
+class Settings:
+    """What every section reads: the device, the mode, and the full or the dry-run shapes."""
+
+    device: str
+    dry_run: bool
+    compile: str
+    repeats: int
+    warmup: int
+    bf16: bool = True
+    steps: dict = field(default_factory=dict)  # (backbone, preset, policy, batch, channels) -> measured row
+
+    def preset(self, full: str) -> str:
+        return "tiny" if self.dry_run else full
+
+    def batch(self, full: int) -> int:
+        return 2 if self.dry_run else full
+
+    @property
+    def size(self) -> int:
+        return 8 if self.dry_run else 32  # latent side: 32 with patch 2 gives 256 tokens
+
+
+def kernel_checks(s: Settings) -> dict:
+    from train.bench.gpu_checks import kernel_checks as checks
+
+    records = checks(_kernel_device(s), (1, 4, 8, 4) if s.dry_run else (2, 64, 256, 16), (1, 8, 4) if s.dry_run else (2, 256, 64))
+    return _checked(records)
+
+
+def family_checks(s: Settings) -> dict:
+    from train.bench.gpu_checks import family_checks as checks
+
+    out = _checked(checks(_device(s), "tiny", s.size, s.batch(4), 2 if s.dry_run else None))
+    if _device(s).type == "cpu":
+        out["note"] += " (both sides on the CPU: this compares nothing but runs the code)"
+    return out
+
+
+def kernel_speed(s: Settings) -> dict:
+    from train.bench.gpu_speed import kernel_rows
+
+    scan, wkv = ((1, 4, 8, 4), (1, 8, 4)) if s.dry_run else ((64, 768, 256, 16), (64, 256, 384))
+    return {"status": "measured", "records": kernel_rows(_kernel_device(s), scan, wkv, *_repeats(s, 20, 5))}
+
+
+def step(s: Settings, backbone: str, preset: str, policy: str, batch: int, channels: int = 4) -> dict:
+    from train.bench.gpu_speed import step_row
+
+    row = step_row(backbone, s.preset(preset), policy, s.batch(batch), channels, s.size, str(_device(s)), s.bf16, s.compile,
+                   *_repeats(s, s.repeats, s.warmup), fall_back_eager=backbone in ("rwkv", "mamba"))
+    s.steps[backbone, preset, policy, batch, channels] = row
+    return {"status": "measured", "records": [row], "note": row["note"]}
+
+
+def trainer(s: Settings, remaining: float) -> dict:
+    """python -m train against the bare routed step at the same shape (DiT-B/2, 32x32x3 shapes, batch 128)."""
+    from train.bench.gpu_speed import trainer_row
+
+    batch = s.batch(128)
+    row = trainer_row(s.preset("B"), batch, s.size, 6 if s.dry_run else 60, 2 if s.dry_run else 10, s.bf16, s.compile,
+                      s.dry_run, timeout_s=max(remaining, 1.0))
+    bare = s.steps.get(("dit", "B", "random", 128, 3))
+    note = "bare step from the DiT-B/2 TREAD row"
+    if bare is None:
+        bare, note = step(s, "dit", "B", "random", 128, channels=3)["records"][0], "bare step measured here"
+    row.update(bare_ms=bare["ms_routed"], bare_images_per_s=batch / (bare["ms_routed"] / 1e3))
+    row["ratio"] = row["trainer_images_per_s"] / row["bare_images_per_s"]
+    return {"status": "measured", "records": [row], "note": note}
+
+
+def sections(s: Settings) -> list[Section]:
+    """Every section in order of importance, with a guess of its time on one H100 (not yet measured there: the
+    report records each section's real time, to correct these)."""
+    return [
+        Section("kernels", "Triton kernels against their references", "kernel_checks", 20, partial(kernel_checks, s)),
+        Section("families", "every family on the device against the CPU", "family_checks", 30, partial(family_checks, s)),
+        Section("kernel-speed", "kernels at their reference shapes", "kernel_speed", 30, partial(kernel_speed, s)),
+        Section("rwkv-S", "RWKV-S/2, rows, batch 64", "steps", 75, partial(step, s, "rwkv", "S", "rows", 64)),
+        Section("mamba-S", "Mamba-S/2, rows, batch 64", "steps", 75, partial(step, s, "mamba", "S", "rows", 64)),
+        Section("dit-S", "DiT-S/2, TREAD, batch 64 (the scan families' MFU reference)", "steps", 30, partial(step, s, "dit", "S", "random", 64)),
+        Section("dit-XL-tread", "DiT-XL/2, TREAD, batch 64", "steps", 60, partial(step, s, "dit", "XL", "random", 64)),
+        Section("dit-XL-sprint", "DiT-XL/2, SPRINT, batch 64", "steps", 60, partial(step, s, "dit", "XL", "sprint", 64)),
+        Section("dit-B-tread", "DiT-B/2, TREAD, batch 128, 32x32x3", "steps", 40, partial(step, s, "dit", "B", "random", 128, 3)),
+        Section("trainer", "python -m train against the bare step (DiT-B/2, batch 128)", "trainer", 60, partial(trainer, s),
+                needs_remaining=True),
+        Section("dit-B-sprint", "DiT-B/2, SPRINT, batch 128, 32x32x3", "steps", 40, partial(step, s, "dit", "B", "sprint", 128, 3)),
+    ]
+
+
+SECTION_NAMES = ("kernels", "families", "kernel-speed", "rwkv-S", "mamba-S", "dit-S", "dit-XL-tread", "dit-XL-sprint",
+                 "dit-B-tread", "trainer", "dit-B-sprint")
+
+
+def _checked(records: list[dict]) -> dict:
+    failed = [r for r in records if not r["passed"]]
+    return {"status": "failed" if failed else "passed", "records": records,
+            "note": f"{len(failed)} of {len(records)} checks failed" if failed else f"{len(records)} checks passed"}
+
+
+def _device(s: Settings):
+    import torch
+
+    return torch.device(s.device)
+
+
+def _kernel_device(s: Settings):
+    """The kernels run on a GPU when there is one (compiled Triton takes only CUDA tensors), else interpreted."""
+    import torch
+
+    return torch.device("cuda") if torch.cuda.is_available() and (not s.dry_run or not _interpreted()) else torch.device("cpu")
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _repeats(s: Settings, repeats: int, warmup: int) -> tuple[int, int]:
+    return (1, 0) if s.dry_run else (repeats, warmup)
+
+
+def parse(argv: list[str] | None):
+    p = ArgumentParser(prog="python -m train.bench.gpu", description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=output_folder, default=Path("gpu_check"), help="folder for report.md and report.json")
+    p.add_argument("--budget-s", type=bounded(float, 1, 86400, example="--budget-s 360"), default=360.0,
+                   help="seconds for the whole check; sections that no longer fit are skipped (default 360)")
+    p.add_argument("--device", type=device_type, default=None, help="the GPU to check (default cuda; the dry run uses the CPU)")
+    p.add_argument("--compile", choices=("off", "blocks", "model"), default=None,
+                   help="compile mode of the training steps (default: the best that train.bench.routing offers)")
+    p.add_argument("--repeats", type=bounded(int, 1, 1000, example="--repeats 10"), default=10, help="timed steps per row")
+    p.add_argument("--warmup", type=bounded(int, 0, 100, example="--warmup 3"), default=3, help="untimed steps per row")
+    p.add_argument("--sections", nargs="+", choices=SECTION_NAMES, default=None, metavar="NAME",
+                   help=f"run only these ({', '.join(SECTION_NAMES)})")
+    p.add_argument("--dry-run", action="store_true", help="every section at tiny shapes on the CPU, to check the command itself")
+    args = p.parse_args(argv)
+    import torch
+
+    if args.dry_run:
+        args.device = "cpu"
+    elif args.device is None and not torch.cuda.is_available():
+        p.error("this machine has no visible CUDA GPU; run it on one, or add --dry-run to check the command on the CPU")
+    elif args.device is None:
+        args.device = "cuda"
+    elif not args.device.startswith("cuda"):
+        p.error(f"--device {args.device} is not a GPU; the full check needs one (--dry-run checks the command on the CPU)")
+    from train.bench.gpu_speed import best_compile_mode, routing_compile_modes
+
+    if args.dry_run:
+        args.compile = "off"  # compiling on a CPU takes minutes per graph; the dry run checks the command, not speed
+    elif args.compile is None:
+        args.compile = best_compile_mode()
+    elif args.compile not in routing_compile_modes()[0]:
+        p.error(f"--compile {args.compile} is not offered by train.bench.routing in this version "
+                f"(it offers {', '.join(routing_compile_modes()[0])})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
+    import torch
+
+    from train.bench import gpu_report
+    from train.bench.timing import now
+
+    s = Settings(args.device, args.dry_run, args.compile, args.repeats, args.warmup)
+    if s.dry_run:
+        torch.set_num_threads(1)  # tiny shapes gain nothing from threads, and lose much on a busy machine
+    chosen = [x for x in sections(s) if args.sections is None or x.name in args.sections]
+    env = gpu_report.environment(torch.device(args.device))
+    print(f"GPU check on {env['device']}, torch {env['torch']}, Triton {env['triton']}, commit {env['commit']}; "
+          f"compile={s.compile}, budget {args.budget_s:.0f} s{', dry run' if s.dry_run else ''}", flush=True)
+    began = time.monotonic()
+    results = run_sections(chosen, args.budget_s, dry_run=s.dry_run)
+    report = {"command": "python -m train.bench.gpu " + " ".join(sys.argv[1:] if argv is None else argv), "date": now(),
+              "dry_run": s.dry_run, "environment": env, "bf16": s.bf16, "compile": s.compile, "budget_s": args.budget_s,
+              "seconds": time.monotonic() - began, "sections": results}
+    report["goals"] = gpu_report.goals(results, s.dry_run)
+    md, js = gpu_report.write(args.out, report)
+    print(f"wrote {md} and {js}", flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Running the GPU check's sections inside a time budget, in order, with a progress line for each.
+
+A section starts only if its estimated time fits what is left of the budget; otherwise it is skipped with a line
+saying so (a shorter one later may still fit). A section still running at STOP_AFTER x the budget is stopped
+there (SIGALRM, in the main thread), so the report is always written. An exception in a section is recorded as
+one line, never a traceback, and the next section runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+STOP_AFTER = 1.25  # a section running past 1.25 x the budget is stopped
+DRY_RUN_ESTIMATE = 1.0  # seconds assumed for any section of the dry run (tiny shapes)
+
+
+@dataclass
+class Section:
+    name: str
+    title: str
+    kind: str  # which table of the report its records join (train/bench/gpu_report.py TABLES)
+    estimate_s: float  # a guess of its time on one H100
+    run: Callable[..., dict]  # -> {"status", "records", "note"?}; called with the seconds left if needs_remaining
+    needs_remaining: bool = False
+
+
+class OverBudget(BaseException):
+    """Raised into a section that runs past the hard stop; a BaseException so that no `except Exception` keeps it."""
+
+
+@contextlib.contextmanager
+def hard_stop(seconds: float):
+    """Raise OverBudget after `seconds` (only in the main thread, where signals are delivered; elsewhere no stop)."""
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def stop(signum, frame):
+        raise OverBudget()
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def run_sections(sections: list[Section], budget_s: float, dry_run: bool = False, clock: Callable[[], float] = time.monotonic,
+                 log: Callable[[str], None] = lambda line: print(line, flush=True)) -> list[dict]:
+    """Each section's record: name, title, kind, status (passed, failed, measured, error, skipped, stopped),
+    seconds, estimate_s, note and records."""
+    began = clock()
+    results = []
+    for section in sections:
+        estimate = DRY_RUN_ESTIMATE if dry_run else section.estimate_s
+        elapsed = clock() - began
+        left = budget_s - elapsed
+        result = {"name": section.name, "title": section.title, "kind": section.kind, "estimate_s": estimate,
+                  "seconds": None, "records": [], "note": ""}
+        if estimate > left:
+            result.update(status="skipped", note=f"needs about {estimate:.0f} s, {max(left, 0):.0f} s of the budget left")
+            log(f"[{elapsed:5.0f} s] skip {section.name}: {result['note']}")
+            results.append(result)
+            continue
+        log(f"[{elapsed:5.0f} s] {section.name}: {section.title} (about {estimate:.0f} s)")
+        tic = clock()
+        try:
+            with hard_stop(STOP_AFTER * budget_s - elapsed):
+                out = section.run(left) if section.needs_remaining else section.run()
+            result.update(status=out["status"], records=[{"section": section.name, **r} for r in out["records"]],
+                          note=out.get("note", ""))
+        except OverBudget:
+            result.update(status="stopped", note=f"still running at {STOP_AFTER} x the budget, stopped")
+        except Exception as err:  # noqa: BLE001 - the report says what failed, and the check goes on
+            lines = str(err).strip().splitlines() or [""]
+            result.update(status="error", note=f"{type(err).__name__}: {lines[0][:300]}")
+        result["seconds"] = clock() - tic
+        _release_memory()
+        log(f"[{clock() - began:5.0f} s] {section.name}: {result['status']} in {result['seconds']:.0f} s"
+            + (f"; {result['note']}" if result["note"] else ""))
+        results.append(result)
+    return results
+
+
+def _release_memory() -> None:
+    """Free what a section left behind (its models, their compiled graphs, cached GPU blocks) before the next."""
+    import torch
+
+    gc.collect()
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,170 @@
+"""The report of `python -m train.bench.gpu`: the machine it ran on, every section's records, the issue goals
+they measure, and what was skipped; one markdown file and one JSON file with the same content."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+from train.files import write_atomic
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def environment(device: torch.device) -> dict:
+    """Device, library versions and the commit, so a report can be told from any other."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:  # noqa: BLE001 - the report says so; the kernel sections will fail on their own
+        triton_version = None
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"CPU ({platform.processor() or platform.machine()}, torch threads: {torch.get_num_threads()})"
+    return {"device": name, "device_type": device.type, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "triton": triton_version, "python": platform.python_version(), "commit": _commit()}
+
+
+def _commit() -> str | None:
+    """HEAD, with "+changes" when tracked files differ from it (None outside a git checkout)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode:
+        return None
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
+def goals(sections: list[dict], dry_run: bool) -> list[dict]:
+    """The issue goals the rows decide (36: the scans; 37: the step and the trainer), read by section name. Each is
+    met, missed, or not measured (None); a dry run's tiny shapes decide none of them."""
+    measured = [r for s in sections if s["status"] == "measured" for r in s["records"]]
+    rows = {r["section"]: r for r in measured}  # one row per section, except the kernels'
+    kernels = {(r["kernel"], r["precision"]): r for r in measured if "ms_fwd_bwd" in r}
+
+    def goal(text: str, value: float | None, bound: float, fmt: str, at_most: bool = False) -> dict:
+        met = None if value is None or dry_run else (value <= bound if at_most else value >= bound)
+        return {"goal": text, "measured": None if value is None else f"{value:{fmt}}", "met": met}
+
+    def get(section: str, key: str) -> float | None:
+        return rows[section].get(key) if section in rows else None
+
+    out = []
+    for name, ms in (("selective scan", 0.6), ("Bi-WKV", 0.4)):
+        r = kernels.get((name, "bf16"))
+        out.append(goal(f"{name}, bf16, forward+backward at the reference shape: at most {ms} ms",
+                        r["ms_fwd_bwd"] if r else None, ms, ".3f", at_most=True))
+    dit_mfu = get("dit-S", "mfu_routed")
+    for section, model in (("rwkv-S", "RWKV-S/2"), ("mamba-S", "Mamba-S/2")):
+        mfu = get(section, "mfu_routed")
+        out.append(goal(f"{model} rows: routed MFU at least half of DiT-S/2's at batch 64 (ratio >= 0.5)",
+                        mfu / dit_mfu if mfu is not None and dit_mfu else None, 0.5, ".2f"))
+        out.append(goal(f"{model} rows: routed efficiency >= 0.9", get(section, "efficiency"), 0.9, ".2f"))
+    out += [goal("DiT-XL/2 TREAD: routed efficiency >= 0.9", get("dit-XL-tread", "efficiency"), 0.9, ".2f"),
+            goal("DiT-B/2 TREAD: routed efficiency >= 0.9", get("dit-B-tread", "efficiency"), 0.9, ".2f"),
+            goal("DiT-XL/2 TREAD: routed MFU >= 45%", get("dit-XL-tread", "mfu_routed"), 0.45, ".1%"),
+            goal("DiT-XL/2 SPRINT: routed efficiency >= 0.85", get("dit-XL-sprint", "efficiency"), 0.85, ".2f"),
+            goal("python -m train: at least 0.95 of the bare step's images/s", get("trainer", "ratio"), 0.95, ".2f")]
+    return out
+
+
+def _finite(value):
+    """JSON has no inf or nan: they are written as strings."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def write(out: Path, report: dict) -> tuple[Path, Path]:
+    """report.md and report.json in `out` (created), each written whole or not at all."""
+    out.mkdir(parents=True, exist_ok=True)
+    md, js = out / "report.md", out / "report.json"
+    write_atomic(js, json.dumps(_finite(report), indent=1) + "\n")
+    write_atomic(md, markdown(report))
+    return md, js
+
+
+def _f(value, fmt: str = ".2f", suffix: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return f"{value:{fmt}}{suffix}"
+
+
+def _goal(row: dict) -> str:
+    if row["goal_ms"] is None:
+        return "-"
+    return f"{'met' if row['goal_met'] else 'missed'} (<= {row['goal_ms']} ms)"
+
+
+def _verdict(passed: bool) -> str:
+    return "pass" if passed else "**FAIL**"
+
+
+TABLES = {
+    "kernel_checks": ("| kernel | precision | shape | output error | worst gradient error | tolerance | result |",
+                      lambda r: f"| {r['kernel']} | {r['precision']} | {r['shape']} | {_f(r['y_error'], '.1e')} | "
+                                f"{_f(r['grad_error'], '.1e')} ({r['worst_grad']}) | {r['tolerance']:.0e} | {_verdict(r['passed'])} |"),
+    "family_checks": ("| family | precision | shape | output error | worst gradient tensor | whole gradient | tolerance (output, gradient) | result |",
+                      lambda r: f"| {r['family']} | {r['precision']} | {r['shape']} | {_f(r['output_error'], '.1e')} | "
+                                f"{_f(r['grad_error'], '.1e')} ({r['worst_grad']}) | {_f(r['grad_norm_error'], '.1e')} | "
+                                f"{r['tolerance'][0]:.0e}, {r['tolerance'][1]:.0e}{' per tensor' if r['precision'] == 'fp32' else ' whole'} | "
+                                f"{_verdict(r['passed'])} |"),
+    "steps": ("| row | model | recipe | batch | compile | ms unrouted | ms routed | ideal speedup | measured | efficiency | "
+              "MFU unrouted | MFU routed | compile s (graphs) |",
+              lambda r: f"| {r['section']} | {r['backbone']}-{r['preset']}/2 ({r['tokens']} tokens, {r['channels']} ch) | {r['policy']} {r['route']} | "
+                        f"{r['batch']} | {r['compile']} | {r['ms_unrouted']:.1f} | {r['ms_routed']:.1f} | {r['ideal']:.2f}x | "
+                        f"{r['measured']:.2f}x | {r['efficiency']:.2f} | {_f(r['mfu_unrouted'], '.1%')} | "
+                        f"{_f(r['mfu_routed'], '.1%')} | {_f(r['compile_s'], '.0f')} ({_f(r['graphs'], 'd')}) |"),
+    "kernel_speed": ("| kernel | precision | shape | Triton fwd ms | Triton fwd+bwd ms | PyTorch op fwd+bwd ms | speedup | "
+                     "ideal MB fwd+bwd | achieved GB/s | of peak | roofline ms | goal |",
+                     lambda r: f"| {r['kernel']} | {r['precision']} | {r['shape']} | {r['ms_fwd']:.3f} | {r['ms_fwd_bwd']:.3f} | "
+                               f"{r['ms_torch_fwd_bwd']:.3f} | {r['speedup_vs_torch']:.1f}x | {r['ideal_bytes_fwd_bwd'] / 1e6:.1f} | "
+                               f"{r['achieved_gbps']:.0f} | {_f(r['peak_fraction'], '.0%')} | {_f(r['roofline_ms'], '.3f')} | "
+                               f"{_goal(r)} |"),
+    "trainer": ("| command | trainer images/s | bare step images/s | trainer / bare |",
+                lambda r: f"| `{r['command']}` | {r['trainer_images_per_s']:.0f} | {_f(r['bare_images_per_s'], '.0f')} | "
+                          f"{_f(r['ratio'], '.2f')} |"),
+}
+
+
+def markdown(report: dict) -> str:
+    env, sections = report["environment"], report["sections"]
+    lines = [f"# GPU check: {env['device']}{' (dry run: tiny shapes on the CPU)' if report['dry_run'] else ''}", "",
+             f"`{report['command']}`, {report['date']}", "",
+             f"- torch {env['torch']} (CUDA {env['cuda']}), Triton {env['triton']}, Python {env['python']}, commit {env['commit']}",
+             f"- bf16 autocast: {report['bf16']}; compile mode: {report['compile']}; budget {report['budget_s']:.0f} s, "
+             f"used {report['seconds']:.0f} s", "", "## Sections", ""]
+    for s in sections:
+        lines.append(f"- {s['title']}: **{s['status']}**" + (f" in {s['seconds']:.0f} s" if s["seconds"] is not None else "")
+                     + (f"; {s['note']}" if s["note"] else ""))
+    lines += ["", "## Goals" + (" (a dry run decides none)" if report["dry_run"] else ""), "", "| goal | measured | met |", "|---|---|---|"]
+    for g in report["goals"]:
+        met = "-" if g["met"] is None else ("yes" if g["met"] else "**no**")
+        lines.append(f"| {g['goal']} | {g['measured'] or 'not measured'} | {met} |")
+    for kind, heading in (("kernel_checks", "Kernels against their references"), ("family_checks", "Families on the device against the CPU"),
+                          ("kernel_speed", "Kernels at their reference shapes"), ("steps", "Training steps (train.bench.routing)"),
+                          ("trainer", "python -m train against the bare step")):
+        records = [r for s in sections if s["kind"] == kind for r in s["records"]]
+        if not records:
+            continue
+        header, fmt = TABLES[kind]
+        lines += ["", f"## {heading}", "", header, "|---" * (header.count("|") - 1) + "|", *(fmt(r) for r in records)]
+        notes = [f"- {r['section']}: {r['note']}" for r in records if r.get("note")]
+        lines += [""] + notes if notes else []
+    return "\n".join(lines) + "\n"

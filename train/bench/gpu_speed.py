@@ -1,0 +1,189 @@
+"""Speed sections of `python -m train.bench.gpu`: routed training steps (through train.bench.routing itself), the
+two kernels at their reference shapes against the memory roofline, and `python -m train` against the bare step.
+
+The compile mode is passed through to train.bench.routing and to the trainer in whatever form they take: read
+from `train.bench.routing --help` and from the trainer's schema, so the modes `off | blocks | model` are used
+as soon as those commands accept them, and today's switch (`--compile`, `trainer.compile=true`) until then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from train.bench import routing
+from train.bench.timing import card_bandwidth, interleaved_medians
+from train.bench.wkv import ideal_bytes as wkv_ideal_bytes
+
+ROOT = Path(__file__).resolve().parents[2]
+SWITCH = ("off", "blocks")  # what a store_true `--compile` (one per-block compile) can express
+
+
+@functools.cache
+def routing_compile_modes() -> tuple[tuple[str, ...], bool]:
+    """(modes, takes_value): the compile modes train.bench.routing accepts, read from its --help, and whether
+    `--compile` takes the mode as its value (else it is today's per-block switch)."""
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text), contextlib.suppress(SystemExit):
+        routing.main(["--help"])
+    line = re.search(r"--compile(?: \[?(\{[^}]*\}|[A-Z_]+))?", text.getvalue())
+    if line is None:
+        return ("off",), False
+    if line.group(1) is None:
+        return SWITCH, False
+    if line.group(1).startswith("{"):
+        return tuple(line.group(1).strip("{}").split(",")), True
+    return ("off", "blocks", "model"), True  # a free-form value (a metavar): the modes issue 37 names
+
+
+def best_compile_mode() -> str:
+    """Whole-model compile where train.bench.routing offers it, else per-block."""
+    modes, _ = routing_compile_modes()
+    return next(m for m in ("model", "blocks", "off") if m in modes)
+
+
+def routing_compile_argv(mode: str) -> list[str]:
+    """The flags that ask train.bench.routing for `mode`; ValueError when it does not offer that mode."""
+    modes, takes_value = routing_compile_modes()
+    if mode not in modes:
+        raise ValueError(f"train.bench.routing offers compile modes {', '.join(modes)}, not {mode}")
+    if takes_value:
+        return ["--compile", mode]
+    return ["--compile"] if mode == "blocks" else []
+
+
+def trainer_compile_override(mode: str) -> str:
+    """`trainer.compile=...` for `mode`: the mode itself once the key takes modes, else true / false."""
+    from train.schema.trainer import TrainerConfig
+
+    default = TrainerConfig.__dataclass_fields__["compile"].default
+    if not isinstance(default, bool):
+        return f"trainer.compile={mode}"
+    if mode not in SWITCH:
+        raise ValueError(f"trainer.compile is a switch (per-block compile) in this version, so it cannot run compile={mode}")
+    return f"trainer.compile={str(mode == 'blocks').lower()}"
+
+
+def step_row(backbone: str, preset: str, policy: str, batch: int, channels: int, size: int, device: str, bf16: bool,
+             compile_mode: str, repeats: int, warmup: int, fall_back_eager: bool = False) -> dict:
+    """One row of train.bench.routing (its own measure(): FLOPs, ms, efficiency, MFU), with what was asked.
+    `fall_back_eager`: when the compiled run fails, measure eagerly and say why in `note`."""
+    argv = ["--backbone", backbone, "--presets", preset, "--policy", policy, "--batch", str(batch), "--channels", str(channels),
+            "--input-size", str(size), "--patch", "2", "--device", device, "--repeats", str(repeats), "--warmup", str(warmup)]
+    argv += ["--bf16"] if bf16 else []
+    note = ""
+    try:
+        (row,) = routing.main(argv + routing_compile_argv(compile_mode))
+    except Exception as err:  # noqa: BLE001 - a family that does not compile is measured eagerly, with the reason
+        if not fall_back_eager or compile_mode == "off":
+            raise
+        note = f"compile={compile_mode} failed ({type(err).__name__}: {first_line(err)}); measured eagerly"
+        _reset_compiled()
+        (row,) = routing.main(argv)
+        compile_mode = "off"
+    return {"backbone": backbone, "policy": policy, "channels": channels, "bf16": bf16, "compile": compile_mode,
+            "note": note, **row}
+
+
+def first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:300]
+
+
+def _reset_compiled() -> None:
+    """Drop dynamo's caches between rows: guards of earlier models would be checked, and count, in later ones."""
+    torch._dynamo.reset()
+
+
+def scan_ideal_bytes(b: int, d: int, length: int, n: int, element: int) -> tuple[int, int]:
+    """(forward, forward+backward) bytes of the selective scan if every tensor is read or written once: u, delta
+    (b, d, L) and B, C (b, N, L) in the activation dtype; A (d, N), D, delta_bias (d,) in fp32; no z."""
+    act, bc, small = b * d * length, b * n * length, (d * n + 2 * d) * 4
+    forward = (3 * act + 2 * bc) * element + small  # read u, delta, B, C and the parameters; write y
+    return forward, forward + (5 * act + 4 * bc) * element + 2 * small  # read them and dy again; write their grads
+
+
+def kernel_rows(device: torch.device, scan_shape: tuple[int, ...], wkv_shape: tuple[int, ...], repeats: int, warmup: int) -> list[dict]:
+    """Triton kernel and the chunked PyTorch op, forward and forward+backward, interleaved, with the ideal bytes
+    against the card's bandwidth. Goals (issue 36, bf16): scan <= 0.6 ms, Bi-WKV <= 0.4 ms forward+backward."""
+    from backbones.ops.cuda_kernels import scan_fn
+    from backbones.ops.wkv import bi_wkv
+
+    from train.bench.gpu_checks import scan_inputs, wkv_inputs
+
+    rows = []
+    b, d, length, n = scan_shape
+    B, T, C = wkv_shape
+    for precision in ("bf16", "fp32"):
+        element = 2 if precision == "bf16" else 4
+        scan = {k: v for k, v in scan_inputs(b, d, length, n, device, precision).items() if k != "z"}
+        scan["delta_bias"] = torch.full((d,), -4.0, device=device)  # softplus(-4) ~ 0.018, a typical step
+        rows.append(_time_kernel("selective scan", precision, f"b{b} d{d} L{length} N{n}", scan, 0.6 if precision == "bf16" else None,
+                                 lambda backend, **kw: scan_fn(**kw, delta_softplus=True, backend=backend),
+                                 scan_ideal_bytes(b, d, length, n, element), repeats, warmup, device))
+        rows.append(_time_kernel("Bi-WKV", precision, f"B{B} T{T} C{C}", wkv_inputs(B, T, C, device, precision),
+                                 0.4 if precision == "bf16" else None, lambda backend, **kw: bi_wkv(**kw, backend=backend),
+                                 wkv_ideal_bytes(B, T, C, element), repeats, warmup, device))
+    return rows
+
+
+def _time_kernel(kernel, precision, shape, inputs, goal_ms, op, ideal, repeats, warmup, device) -> dict:
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in inputs.items()}
+    calls = {}
+    for backend in ("triton", "torch"):
+        def forward(backend=backend):
+            with torch.no_grad():
+                op(backend, **leaves)
+
+        def both(backend=backend):
+            y = op(backend, **leaves)
+            # autograd.grad, not backward: no accumulation into .grad, which is not the kernel's work
+            torch.autograd.grad(y, list(leaves.values()), torch.ones_like(y))
+
+        calls[backend, "fwd"], calls[backend, "fwd+bwd"] = forward, both
+    ms = {key: s * 1e3 for key, s in interleaved_medians(calls, repeats, warmup, device).items()}
+    peak = card_bandwidth(device)
+    achieved = ideal[1] / (ms["triton", "fwd+bwd"] / 1e3)
+    return {"kernel": kernel, "precision": precision, "shape": shape, "ms_fwd": ms["triton", "fwd"],
+            "ms_fwd_bwd": ms["triton", "fwd+bwd"], "ms_torch_fwd": ms["torch", "fwd"], "ms_torch_fwd_bwd": ms["torch", "fwd+bwd"],
+            "speedup_vs_torch": ms["torch", "fwd+bwd"] / ms["triton", "fwd+bwd"], "ideal_bytes_fwd": ideal[0],
+            "ideal_bytes_fwd_bwd": ideal[1], "achieved_gbps": achieved / 1e9, "peak_fraction": achieved / peak if peak else None,
+            "roofline_ms": ideal[1] / peak * 1e3 if peak else None, "goal_ms": goal_ms,
+            "goal_met": None if goal_ms is None else ms["triton", "fwd+bwd"] <= goal_ms}
+
+
+def trainer_row(preset: str, batch: int, size: int, steps: int, log_every: int, bf16: bool, compile_mode: str, dry_run: bool,
+                timeout_s: float) -> dict:
+    """`python -m train` (a fresh process, as a user runs it) on shapes with TREAD's random routing: images/s over
+    the logged steps after the first logged one (which holds compilation and warm-up), from the log's wall time."""
+    with tempfile.TemporaryDirectory(prefix="gpu_check_train_") as tmp:
+        argv = [f"backbone.preset={preset}", "backbone.patch_size=2", "data=shapes", f"data.resolution={size}", "routing=random",
+                f"trainer.batch_size={batch}", f"trainer.max_steps={steps}", f"trainer.log_every={log_every}",
+                "trainer.sample_every=0", "trainer.ckpt_every=0", "trainer.log_with=none",
+                f"trainer.mixed_precision={'bf16' if bf16 else 'no'}", trainer_compile_override(compile_mode), f"run_dir={tmp}/run"]
+        argv += ["trainer.cpu=true", "data.num_images=64"] if dry_run else []
+        env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if dry_run else {})}
+        done = subprocess.run([sys.executable, "-m", "train", *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+                              env=env)
+        if done.returncode:
+            lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+            raise RuntimeError(f"python -m train exited with {done.returncode}: {lines[-1] if lines else 'no output'}")
+        from train.files.metrics_log import read_metrics
+
+        records = [json.loads(line) for line, _ in read_metrics(Path(tmp) / "run" / "metrics.jsonl")]
+    timed = [r for r in records if "seconds" in r]
+    if len(timed) < 2:
+        raise RuntimeError(f"python -m train logged {len(timed)} timed steps; the rate needs two")
+    first, last = timed[0], timed[-1]
+    rate = batch * (last["step"] - first["step"]) / (last["seconds"] - first["seconds"])
+    return {"command": "python -m train " + " ".join(a for a in argv if not a.startswith("run_dir=")), "steps_timed": last["step"] - first["step"],
+            "trainer_images_per_s": rate, "compile": compile_mode}
