@@ -1,4 +1,4 @@
-"""trainer.log_with: metrics go to accelerate's trackers (TensorBoard here) beside metrics.jsonl, which stays."""
+"""trainer.log_with: metrics go to accelerate's trackers (TensorBoard, wandb offline) beside metrics.jsonl, which stays."""
 
 from __future__ import annotations
 
@@ -33,6 +33,24 @@ def test_tensorboard_through_accelerate_gets_what_metrics_jsonl_gets(cfg_factory
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     logged = scalars(run / "tb")
     assert [(d["step"], pytest.approx(d["loss"])) for d in lines] == logged["loss"] and len(lines) == 3
+
+
+def test_wandb_offline_writes_a_run_folder_with_the_metrics_and_the_config(cfg_factory, tmp_path, monkeypatch):
+    import wandb  # a dev dependency (pyproject.toml), so this runs wherever the tests do
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_X_DISABLE_STATS", "true")  # no system-metrics sampler for a two-step run
+    Trainer(cfg_factory("trainer.log_with=wandb", "trainer.max_steps=2")).fit()
+    assert wandb.run is None  # finished with the training
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, runs
+    records = list(runs[0].glob("run-*.wandb"))
+    assert len(records) == 1
+    # The run's records (protobuf) hold the logged keys and the flat config as plain strings.
+    data = records[0].read_bytes()
+    assert b"loss" in data and b"images_per_s" in data and b"trainer.lr" in data
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 2  # metrics.jsonl stays
 
 
 def test_log_with_none_keeps_metrics_jsonl_only(cfg_factory, tmp_path):
