@@ -205,3 +205,26 @@ def test_captions_need_a_text_family_and_no_prompt_table(pipeline, tmp_path):
         check_captions(compose_cfg("data=captions", f"data.path={tmp_path}", "run_dir=/tmp/unused"))
     with pytest.raises(ConfigError, match="drop finetune.prompts"):
         check_config(compose_cfg(*overrides(pipeline, tmp_path, "/tmp/unused"), f"finetune.prompts={pipeline / 'model_index.json'}"))
+
+
+def test_masks_come_with_the_batch_fitted_to_its_bucket(pipeline, tmp_path):
+    """`name.mask.png` beside an image: the dataset returns it with the batch at the bucket's latent size, and
+    train.data.masks turns it into the router's force-keep tokens and the loss weight (data.mask_loss_weight)."""
+    from train.data.masks import mask_inputs
+
+    data = write_images(tmp_path / "data")
+    mask = Image.new("L", (48, 32), 0)
+    mask.paste(255, (0, 0, 12, 8))  # the top-left corner of a wide image
+    mask.save(data / "wide" / "d.mask.png")
+    trainer = Trainer(compose_cfg(*overrides(pipeline, data, tmp_path / "run"), "data.mask_loss_weight=[2.0,0.5]"))
+    ds, patch = trainer.dataset, trainer.backbone.patch
+    index = {f: i for i, f in enumerate(ds.manifest["files"])}
+    wide = torch.tensor([index["wide/d.png"], index["wide/e.png"]])
+    masks = ds.masks(wide)
+    assert masks.coverage.shape == (2, *ds.shape_of(wide)[1:]) and masks.present.tolist() == [True, False]
+    keep, weight = mask_inputs(ds, wide, patch, ds.mask_loss_weight)
+    h, w = ds.shape_of(wide)[1:]
+    assert keep.shape == (2, (h // patch) * (w // patch)) and keep[0].any() and not keep[1].any()
+    assert weight.shape == (2, 1, h, w) and weight[0].max() == 2.0 and weight[0].min() == 0.5 and weight[1].eq(1).all()
+    assert ds.masks(torch.tensor([index["square/a.png"]])).present.tolist() == [False]  # no mask beside it
+    trainer._release_run_dir()

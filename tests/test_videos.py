@@ -104,6 +104,10 @@ def test_clips_are_read_from_gifs_frame_folders_and_mp4s(tiny, tmp_path):
     (None, ["data.frames=4"], "data.frames=4 is not 1 + 4k, the frame counts the VAE encodes"),
     (None, ["data.height=40"], "data.height=40 is not a multiple of 16 (the VAE's factor 8 x the model's patch 2)"),
     ("patch", [], "gives 1 latent frames, which the model's temporal patch 2 does not divide"),
+    ("sizes", [], "has frames of different sizes ('000.png' is 32x32, '002.png' is 40x32); resize its frames to one size"),
+    ("mask_size", [], "is 16x16 but its image"),
+    ("mask_mode", [], "has mode RGB; save it as a greyscale (L) or 1-bit PNG"),
+    ("mask_orphan", [], "has no image beside it"),
     (None, ["data.vae=pixels"], "data.vae=pixels gives RGB frames, but the model in finetune.pretrained="),
 ])
 def test_bad_clips_and_sample_shapes_are_refused_in_one_sentence_before_any_work(tiny, tmp_path, change, extra, message):
@@ -123,11 +127,51 @@ def test_bad_clips_and_sample_shapes_are_refused_in_one_sentence_before_any_work
         config = json.loads((pipeline / "transformer" / "config.json").read_text())
         (pipeline / "transformer" / "config.json").write_text(json.dumps({**config, "patch_size": [2, 2, 2]}))
         extra = ["data.frames=1"]
-    run = tmp_path / "run"
+    elif change == "sizes":
+        frames = sorted((folder / "clip_003").iterdir())
+        Image.open(frames[2]).resize((40, 32)).save(frames[2])
+    elif change == "mask_size":
+        Image.new("L", (16, 16)).save(folder / "clip_000.mask.png")
+    elif change == "mask_mode":
+        Image.new("RGB", (32, 32)).save(folder / "clip_003" / "001.mask.png")
+    elif change == "mask_orphan":
+        Image.new("L", (32, 32)).save(folder / "clip_003" / "0042.mask.png")
+    run, before = tmp_path / "run", snapshot(folder)
     with pytest.raises(ConfigError) as err:
         Trainer(compose_cfg(*wan(tiny, *extra), f"finetune.pretrained={pipeline}", f"data.path={folder}", f"run_dir={run}"))
     assert message in str(err.value) and "\n" not in str(err.value)
-    assert not run.exists() and not (folder / ".tread_cache").exists()  # nothing was written
+    assert not run.exists() and snapshot(folder) == before  # nothing was written, not even the cache
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_clip_and_frame_masks_come_with_the_batch_per_latent_frame(tiny, tmp_path):
+    """`name.mask.png` beside a clip masks every frame; `0002.mask.png` in a frame folder masks that frame, so only the
+    latent frame holding it (Wan: frames 1-4 -> latent frame 1) is covered."""
+    from train.data.masks import mask_inputs
+
+    folder = tmp_path / "clips"
+    shutil.copytree(tiny["clips"], folder, ignore=shutil.ignore_patterns(".tread_cache"))
+    corner = Image.new("L", (32, 32), 0)
+    corner.paste(255, (0, 0, 8, 8))
+    corner.save(folder / "clip_000.mask.png")
+    corner.save(folder / "clip_003" / f"{sorted((folder / 'clip_003').iterdir())[2].stem}.mask.png")
+    trainer = Trainer(compose_cfg(*wan(tiny, f"data.path={folder}", f"run_dir={tmp_path / 'run'}", "data.mask_loss_weight=[1.0,0.0]")))
+    ds = trainer.dataset
+    index = {f: i for i, f in enumerate(ds.manifest["files"])}
+    batch = torch.tensor([index["clip_000.gif"], index["clip_003"], index["clip_001.gif"]])
+    masks = ds.masks(batch)
+    assert masks.coverage.shape == (3, *ds.shape[1:]) and masks.present.tolist() == [True, True, False]  # (B, T', h, w)
+    assert masks.coverage[0, :, 0, 0].eq(1).all() and masks.coverage[1, 0].max() == 0 and masks.coverage[1, 1, 0, 0] == 1
+    keep, weight = mask_inputs(ds, batch, (1, 2, 2), ds.mask_loss_weight)  # Wan's patch over (T', h, w)
+    t, h, w = ds.shape[1:]
+    assert keep.shape == (3, t * (h // 2) * (w // 2)) and keep[0].sum() == t and keep[1].sum() == 1 and not keep[2].any()
+    assert weight.shape == (3, 1, t, h, w) and weight[2].eq(1).all() and weight[0].min() == 0
+    trainer._release_run_dir()
 
 
 def test_a_refusal_is_one_line_on_stderr_and_exit_code_2(tiny, tmp_path, capsys):

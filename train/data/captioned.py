@@ -4,11 +4,14 @@ Beyond the dataset protocol of train.data (num_classes, shape, get, to_images) i
 - `batch_indices(seed, step, size)`: the indices of a global batch, all from one bucket (buckets.BucketSchedule);
 - `shape_of(indices)`: the latent shape (C, h, w) of that batch's bucket, for the trainer's noise;
 - `prompt_table()`: the captions' prompt table, the conditioning the text families look rows up in;
-- `preview_classes`: how many captions a preview grid shows (the first ones, one row each).
+- `preview_classes`: how many captions a preview grid shows (the first ones, one row each);
+- `masks(indices)`: the batch's force-keep masks (masks.py), None when the folder has none.
 Labels are caption rows; the null label K is the empty caption.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -17,6 +20,7 @@ from routing.errors import ConfigError
 from train.data.buckets import BucketSchedule
 from train.data.caption_cache import PIXELS, read_manifest, text_table
 from train.data.latents import _memmap_shard
+from train.data.masks import BatchMasks, fit_coverage, mask_file, pool, read_mask
 
 PREVIEW_CAPTIONS = 4
 
@@ -50,6 +54,10 @@ class CaptionsDataset:
         self.name = f"captions-{len(self.bucket_of)}"
         self._maps: dict[int, dict] = {}
         self._vae = None
+        # Force-keep masks (masks.py), read per batch from beside the images: dataset index -> mask file.
+        root = Path(str(cfg_data.path)).expanduser()
+        self.mask_files = {i: m for i, f in enumerate(manifest["files"]) if (m := mask_file(root / f)).is_file()}
+        self.mask_loss_weight = cfg_data.get("mask_loss_weight")
 
     def __len__(self) -> int:
         return len(self.bucket_of)
@@ -87,6 +95,18 @@ class CaptionsDataset:
         eps = torch.randn(mean.shape, generator=generator) if generator is not None else torch.randn_like(mean)
         z = mean + std * eps
         return (z - self.space["shift_factor"]) * self.space["scaling_factor"], self.labels[indices]
+
+    def masks(self, indices: torch.Tensor) -> BatchMasks | None:
+        """The batch's force-keep masks at latent resolution (B, h, w), fitted as its images were; None when no image of
+        the folder has a mask."""
+        if not self.mask_files:
+            return None
+        width, height = self.manifest["buckets"][self.bucket_of[int(indices[0])]]
+        factor, rows = self.space["factor"], indices.cpu().tolist()
+        empty = np.zeros((height // factor, width // factor), dtype=np.float32)
+        coverage = [pool(fit_coverage(read_mask(self.mask_files[i]), (width, height)), factor) if i in self.mask_files else empty
+                    for i in rows]
+        return BatchMasks(torch.from_numpy(np.stack(coverage)), torch.tensor([i in self.mask_files for i in rows]))
 
     @torch.no_grad()
     def to_images(self, x: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 `list_captioned(folder)` finds every image under the folder (sub-folders included) with its caption and size,
 and refuses, in one sentence naming the file and the fix, a folder without images, an image without a caption
-file or with an empty one, and an image PIL cannot open. The captions are encoded and the images turned into
+file or with an empty one, an image PIL cannot open, and a force-keep mask (`name.mask.png`, masks.py) of the
+wrong size or mode or beside no image. The captions are encoded and the images turned into
 latents once, into a cache (caption_cache.py); `CaptionsDataset` trains from that cache.
 
 Conditioning reuses the class-prompt path: each distinct caption is a row of a prompt table (row K is the empty
@@ -19,6 +20,7 @@ from PIL import Image
 
 from routing.errors import ConfigError
 from train.data.images import IMAGE_EXTENSIONS, image_files
+from train.data.masks import check_mask, check_orphans, is_mask_file, mask_file
 
 # What PIL raises for truncated, corrupt or hostile files.
 UNREADABLE = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
@@ -81,13 +83,16 @@ def list_captioned(folder: str | Path) -> list[Captioned]:
     root = Path(folder).expanduser()
     if not root.is_dir():
         raise ConfigError(f"data.path='{root}' is not a folder; point it at a folder of images with a .txt caption beside each.")
-    files = image_files(root)
+    files = [f for f in image_files(root) if not is_mask_file(f)]  # name.mask.png is name.png's mask, not an image
     if not files:
         raise ConfigError(f"data.path='{root}' holds no images ({', '.join(IMAGE_EXTENSIONS)}); add images with a .txt caption "
                           "beside each (name.png + name.txt).")
     out = []
     for file in files:
         caption = read_caption(file)
-        stat = file.stat()
-        out.append(Captioned(file.relative_to(root).as_posix(), caption, image_size(file), (stat.st_size, stat.st_mtime_ns)))
+        stat, size = file.stat(), image_size(file)
+        if mask_file(file).is_file():
+            check_mask(mask_file(file), size, file)
+        out.append(Captioned(file.relative_to(root).as_posix(), caption, size, (stat.st_size, stat.st_mtime_ns)))
+    check_orphans(root, files)
     return out

@@ -25,7 +25,8 @@ import torch
 from routing.errors import ConfigError
 from train.data.caption_cache import PIXELS, cache_folder, identity, pipeline_folder, read_json, save_atomic, vae_folder
 from train.data.prompts import encode_table, read_table, write_table
-from train.data.videos import Clip, clip_array
+from train.data.masks import BatchMasks, clip_coverage
+from train.data.videos import Clip, clip_array, has_mask, sample_masks
 
 FORMAT = "tread-zoo-videos/1"
 MANIFEST, TEXT, LATENTS = "manifest.json", "text.safetensors", "videos.safetensors"
@@ -137,6 +138,25 @@ class VideosDataset:
         self._s = torch.tensor(self.space["std"], dtype=torch.float32).view(1, c, 1, 1, 1)
         self.name = f"videos-{len(self.labels)}"
         self._vae = None
+        # Force-keep masks (masks.py), read per batch from beside the clips and frames.
+        self.root = Path(str(cfg_data.path)).expanduser()
+        self.mask_loss_weight = cfg_data.get("mask_loss_weight")
+        sample = manifest["sample"]
+        self._has_mask = [has_mask(self.root / f, sample["frames"], sample["stride"]) for f in manifest["files"]]
+
+    def masks(self, indices: torch.Tensor) -> BatchMasks | None:
+        """The batch's force-keep masks at latent resolution (B, T', h, w), fitted as its frames were; None when no clip
+        of the folder has a mask."""
+        if not any(self._has_mask):
+            return None
+        sample, space, rows = self.manifest["sample"], self.space, indices.cpu().tolist()
+        size, (_, t, h, w) = (sample["width"], sample["height"]), self.shape
+        coverage = []
+        for i in rows:
+            frames = sample_masks(self.root / self.manifest["files"][i], sample["frames"], sample["stride"])
+            coverage.append(np.zeros((t, h, w), np.float32) if frames is None
+                            else clip_coverage(frames, size, space["temporal"], space["spatial"]))
+        return BatchMasks(torch.from_numpy(np.stack(coverage)), torch.tensor([self._has_mask[i] for i in rows]))
 
     def __len__(self) -> int:
         return len(self.labels)

@@ -7,9 +7,10 @@ data.height and resized to it.
 
 `check_videos(cfg)` refuses, in one sentence naming the file or key and the fix, before any work: a folder without
 clips, a clip without a caption or with an empty one, an unreadable clip, a clip shorter than the frames a sample
-takes, a frame count the VAE cannot encode (Wan's: 1 + 4k), latent frames fewer than the model's temporal patch, and a
-frame size that is not a whole number of the model's patches. The captions and clips are then encoded once into a
-cache (video_cache.py), which `VideosDataset` trains from.
+takes, a frame count the VAE cannot encode (Wan's: 1 + 4k), latent frames fewer than the model's temporal patch, a
+frame size that is not a whole number of the model's patches, a frame folder whose frames differ in size, and a
+force-keep mask (masks.py) of the wrong size or mode, or beside no clip or frame. The captions and clips are then
+encoded once into a cache (video_cache.py), which `VideosDataset` trains from.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from train.data.caption_cache import PIXELS, vae_folder
 from train.data.captions import UNREADABLE
 from train.data.captions import read_caption as read_sidecar
 from train.data.images import IMAGE_EXTENSIONS
+from train.data.masks import check_mask, check_orphans, is_mask_file, mask_file, read_mask
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi")
 CLIP_EXTENSIONS = (".gif", *VIDEO_EXTENSIONS)
@@ -41,7 +43,8 @@ class Clip:
 
 
 def frame_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+    """A frame folder's frames, sorted by name; a frame's mask (`0001.mask.png`, masks.py) is not a frame."""
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not is_mask_file(p))
 
 
 def clip_paths(root: Path) -> list[Path]:
@@ -66,13 +69,28 @@ def _unreadable(clip: Path, err: BaseException) -> ConfigError:
     return ConfigError(f"clip '{clip}' is unreadable ({type(err).__name__}); replace or delete it.")
 
 
+def frame_size(folder: Path) -> tuple[int, int]:
+    """The one (width, height) of a frame folder's frames (headers only); refuses frames of different sizes, which
+    fit_frame would each crop differently, so the clip's content would jump from frame to frame."""
+    sizes = {}
+    for file in frame_files(folder):
+        try:
+            with Image.open(file) as frame:
+                sizes.setdefault(frame.size, file)
+        except UNREADABLE as err:
+            raise _unreadable(folder, err) from None
+        if len(sizes) > 1:
+            (a, first), (b, other) = sizes.items()
+            raise ConfigError(f"clip '{folder}' has frames of different sizes ('{first.name}' is {a[0]}x{a[1]}, '{other.name}' is "
+                              f"{b[0]}x{b[1]}); resize its frames to one size, or move the clip out of data.path.")
+    return next(iter(sizes))
+
+
 def probe(clip: Path) -> tuple[int, tuple[int, int]]:
     """(frame count, (width, height)) of a clip file or a frame folder, without decoding every frame."""
+    if clip.is_dir():
+        return len(frame_files(clip)), frame_size(clip)
     try:
-        if clip.is_dir():
-            files = frame_files(clip)
-            with Image.open(files[0]) as first:
-                return len(files), first.size
         if clip.suffix.lower() == ".gif":
             with Image.open(clip) as gif:
                 return gif.n_frames, gif.size
@@ -146,9 +164,40 @@ def list_clips(folder: str | Path, frames: int, stride: int) -> list[Clip]:
         if count < need:
             raise ConfigError(f"clip '{path}' has {count} frames, but a sample takes {need} (data.frames={frames}, data.stride={stride}); "
                               "lower data.frames or data.stride, or move the clip out of data.path.")
+        check_clip_masks(path, size)
         stat = max((f.stat() for f in frame_files(path)), key=lambda s: s.st_mtime_ns) if path.is_dir() else path.stat()
         out.append(Clip(path.relative_to(root).as_posix(), caption, count, size, (stat.st_size, stat.st_mtime_ns)))
+    check_orphans(root, [*paths, *(f for p in paths if p.is_dir() for f in frame_files(p))])
     return out
+
+
+def check_clip_masks(clip: Path, size: tuple[int, int]) -> None:
+    """A clip's force-keep masks (masks.py): `name.mask.png` beside it (every frame) and, in a frame folder,
+    `0001.mask.png` beside a frame (that frame); each single-channel grey at the frame size."""
+    if mask_file(clip).is_file():
+        check_mask(mask_file(clip), size, clip)
+    for frame in frame_files(clip) if clip.is_dir() else []:
+        if mask_file(frame).is_file():
+            check_mask(mask_file(frame), size, frame)
+
+
+def _mask_paths(clip: Path, frames: int, stride: int) -> list[Path | None]:
+    """The mask file of each of a sample's frames: the frame's own, else the clip's, else None."""
+    whole = mask_file(clip) if mask_file(clip).is_file() else None
+    if not clip.is_dir():
+        return [whole] * frames
+    own = [mask_file(f) for f in frame_files(clip)[: 1 + (frames - 1) * stride : stride]]
+    return [m if m.is_file() else whole for m in own]
+
+
+def has_mask(clip: Path, frames: int, stride: int) -> bool:
+    return any(m is not None for m in _mask_paths(clip, frames, stride))
+
+
+def sample_masks(clip: Path, frames: int, stride: int) -> list[Image.Image | None] | None:
+    """The masks of a sample's frames (None for a frame without one); None when none of them has a mask."""
+    paths = _mask_paths(clip, frames, stride)
+    return [read_mask(m) if m is not None else None for m in paths] if any(m is not None for m in paths) else None
 
 
 def model_patch(cfg) -> tuple[int, int, int]:

@@ -64,6 +64,9 @@ class CaptionsData:
     channels: int = key(3, "image channels with vae=pixels: 3 (RGB) or 1 (grey)", ge=1, le=3, example=1)
     max_sequence_length: Optional[int] = key(None, "text tokens per caption (null: the pipeline's)", ge=1, le=4096, example=77)
     cache: Optional[str] = key(None, "cache folder of the encoded captions and latents (null: <path>/.tread_cache)", example="/cache/my-set")
+    mask_loss_weight: Optional[List[float]] = key(None, "[inside, outside]: loss weights inside and outside each image's name.mask.png "
+                                                  "(null: 1 everywhere; its tokens are force-kept either way)", ge=0, le=1000,
+                                                  length=2, example="[1.0,0.0]")
 
 
 @dataclass
@@ -84,6 +87,9 @@ class VideosData:
     vae: Optional[str] = key(None, "AutoencoderKLWan folder (null: the pipeline's vae/), or pixels to train on the frames", example="pixels")
     max_sequence_length: Optional[int] = key(None, "text tokens per caption (null: the pipeline's 512)", ge=1, le=4096, example=226)
     cache: Optional[str] = key(None, "cache folder of the encoded captions and latents (null: <path>/.tread_cache)", example="/cache/clips")
+    mask_loss_weight: Optional[List[float]] = key(None, "[inside, outside]: loss weights inside and outside each frame's mask "
+                                                  "(name.mask.png beside a clip, 0001.mask.png beside a frame; null: 1 everywhere)",
+                                                  ge=0, le=1000, length=2, example="[1.0,0.0]")
 
 
 DATA = {"digits": DigitsData, "shapes": ShapesData, "fashion_mnist": FashionMNISTData, "latents": LatentsData, "captions": CaptionsData,
