@@ -67,6 +67,7 @@ def test_resume_continues_a_video_run_exactly_and_reuses_the_cache(tiny, tmp_pat
                  "routing.routes=[{selection_ratio: 0.75, start_layer_idx: 1, end_layer_idx: 2}]")
     trainer = Trainer(compose_cfg(*common, "trainer.max_steps=4", "trainer.ckpt_every=4", f"run_dir={tmp_path / 'straight'}"))
     trainer.fit()
+    written = (tiny["clips"] / ".tread_cache" / "manifest.json").stat()
     (mask,) = trainer.backbone.route_masks()
     assert mask.shape[1:] == (2, 2, 2) and (mask.sum((1, 2, 3)) == 2).all()  # 2 latent frames: 1 x 2 x 2 groups keep 1
     Trainer(compose_cfg(*common, "trainer.max_steps=2", "trainer.ckpt_every=2", f"run_dir={tmp_path / 'split'}")).fit()
@@ -76,6 +77,8 @@ def test_resume_continues_a_video_run_exactly_and_reuses_the_cache(tiny, tmp_pat
     assert all(torch.equal(a[k], b[k]) for k in a)
     cache = tiny["clips"] / ".tread_cache"
     assert json.loads((cache / "manifest.json").read_text())["captions"][0].startswith("a ")
+    again = (cache / "manifest.json").stat()  # two runs later, the same file: the manifest is written only when it changes
+    assert (again.st_ino, again.st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
 
 
 def test_clips_are_read_from_gifs_frame_folders_and_mp4s(tiny, tmp_path):

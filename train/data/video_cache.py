@@ -75,9 +75,10 @@ def prepare_videos(cfg, clips: list[Clip], device="cpu", log=print) -> Path:
                 "labels": [captions.index(c.caption) for c in clips], "space": space, "sample": sample,
                 "vae": str(vae_dir.resolve()) if vae_dir is not None else None, "text_key": text_key, "latent_key": latent_key,
                 "source": str(root.resolve())}
-    tmp = out / f".{MANIFEST}.{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    os.replace(tmp, out / MANIFEST)
+    if json.loads(json.dumps(manifest)) != old:  # written only when it changes, as the files it lists are
+        tmp = out / f".{MANIFEST}.{os.getpid()}"
+        tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+        os.replace(tmp, out / MANIFEST)
     return out
 
 
