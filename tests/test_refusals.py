@@ -71,6 +71,10 @@ def template(tmp_path_factory) -> Path:
     np.savez(root / "small.npz", mu=np.zeros(4), sigma=np.eye(4))
     np.savez(root / "keys.npz", x=np.zeros(3))
     np.save(root / "array.npy", np.zeros(3))
+    # A user's YAML config folder (hydra.searchpath), with booleans written as strings.
+    (root / "cfg/experiment").mkdir(parents=True)
+    (root / "cfg/experiment/quoted_bool.yaml").write_text('# @package _global_\ntrainer:\n  cpu: "true"\n')
+    (root / "cfg/experiment/word_bool.yaml").write_text("# @package _global_\ntrainer:\n  ema_warmup: 'off'\n")
     return root
 
 
@@ -91,6 +95,7 @@ def put(path: str, data: str | bytes):
     """Replace the sandbox file `path` with `data`."""
     def prepare(box: Path, _):
         target = box / path
+        target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data) if isinstance(data, bytes) else target.write_text(data)
     return prepare
 
@@ -195,6 +200,8 @@ ROUTE = "routing.routes=[{{selection_ratio: {r}, start_layer_idx: {s}, end_layer
 FLUX = [*FAST, "objective=flow", "finetune.family=flux", "finetune.pretrained={flux}", "finetune.prompts={box}/table.safetensors",
         "run_dir={box}/ft"]
 
+BENCH_ONE = ["grid.backbones=[dit]", "grid.routings=[none]", "seeds=[0]"]  # one cell: the grid composes in a second
+
 CASES = [
     # Values Hydra or the model would take in silence or crash on.
     T("ema_warmup_2", ["trainer.ema_warmup=2"], names="trainer.ema_warmup", hydra=True),
@@ -249,6 +256,12 @@ CASES = [
     T("resume_missing_folder", ["resume={box}/nowhere"], names="resume=", slow=True),
     T("resume_a_file", ["resume={box}/junk.bin"], names="resume=", slow=True),
     T("resume_another_model", ["backbone.depth=3"], names="backbone.depth"),
+    # Steps are never undone: a checkpoint past max_steps cannot honour it (a script would read exit 0 as "trained").
+    T("resume_past_max_steps", ["trainer.max_steps=1"], names="trainer.max_steps=1", hydra=True),
+    # A boolean given as text, on the command line or in a YAML file (OmegaConf converted it in silence).
+    T("cpu_quoted_true", ["trainer.cpu='\"true\"'"], names="trainer.cpu"),
+    T("yaml_quoted_true", ["hydra.searchpath=[file://{box}/cfg]", "+experiment=quoted_bool"], names="quoted_bool.yaml"),
+    T("yaml_word_no", ["hydra.searchpath=[file://{box}/cfg]", "+experiment=word_bool"], names="trainer.ema_warmup", slow=True),
     T("resume_another_seed", ["seed=1"], names="seed", slow=True),
     # A damaged or hand-edited run.
     T("state_truncated", [], put(f"{CKPT}/state.json", '{"step": '), names="state.json", hydra=True),
@@ -304,6 +317,8 @@ CASES = [
     T("stats_fewer_channels", [], edit_json("lat/stats.json", lambda s: s.update(std=[1.0, 1.0])), names="std", base=LATENTS),
     T("stats_std_text", [], edit_json("lat/stats.json", lambda s: s.update(std=["a"] * 4)), names="std", base=LATENTS, slow=True),
     T("stats_zero_std", [], edit_json("lat/stats.json", lambda s: s.update(std=[0.0] * 4)), names="stats.json", base=LATENTS),
+    T("stats_nan_std", [], edit_json("lat/stats.json", lambda s: s.update(std=[1.0, float("nan"), 1.0, 1.0])), names="stats.json",
+      base=LATENTS),
     T("stats_nan_mean", [], edit_json("lat/stats.json", lambda s: s.update(mean=[float("nan")] * 4)), names="stats.json",
       base=LATENTS, slow=True),
     T("shard_float_labels", [], shard(label_dtype=np.float32), names="labels", base=LATENTS),
@@ -372,6 +387,10 @@ CASES = [
     Case("cache_images_flat", "cache", ["--images", "{box}/imgs/a", "--out", "{box}/new"], names="--images"),
     Case("cache_labels_binary", "cache", ["--images", "{box}/imgs", "--out", "{box}/new", "--labels-file", "{box}/junk.bin"],
          names="junk.bin"),
+    Case("cache_labels_image_missing", "cache", ["--images", "{box}/imgs", "--out", "{box}/new", "--labels-file", "{box}/labels.csv"],
+         put("labels.csv", "filename,label\na/0.png,0\na/7.png,1\n"), names="a/7.png"),
+    Case("cache_labels_outside", "cache", ["--images", "{box}/imgs", "--out", "{box}/new", "--labels-file", "{box}/labels.csv"],
+         put("labels.csv", "a/0.png,0\n../junk.bin,1\n"), names="../junk.bin", slow=True),
     Case("cache_vae_missing", "cache", ["--images", "{box}/imgs", "--out", "{box}/new", "--vae", "{box}/nowhere"], names="nowhere"),
     Case("cache_size_0", "cache", ["--images", "{box}/imgs", "--out", "{box}/new", "--size", "0"], names="--size"),
     # python -m train.encode_prompts
@@ -407,6 +426,14 @@ CASES = [
     Case("bench_timing_resolution", "bench", ["timing.resolution=7", "out_dir={box}/run"], names="timing.resolution"),
     Case("bench_speedups_missing", "bench", ["train.speedups_from={box}/nope.json", "out_dir={box}/run"],
          names="train.speedups_from"),
+    # The bench's own JSON files, valid JSON of the wrong shape (they ended in an AttributeError): refused before any write.
+    Case("bench_cost_a_list", "bench", [*BENCH_ONE, "out_dir={box}/run"], put("run/cost.json", "[1, 2]"), names="cost.json"),
+    Case("bench_cost_cells_a_list", "bench", [*BENCH_ONE, "out_dir={box}/run"],
+         put("run/cost.json", '{"settings": {"cells": {}}, "cells": ["dit-none"]}'), names="cost.json", slow=True),
+    Case("bench_cell_settings_a_list", "bench", [*BENCH_ONE, "out_dir={box}/run"], put("run/cells/dit-none-s0.json", '{"settings": [1]}'),
+         names="dit-none-s0.json"),
+    Case("bench_speedups_cells_a_list", "bench", [*BENCH_ONE, "train.speedups_from={box}/c.json", "out_dir={box}/run"],
+         put("c.json", '{"settings": {"cells": {}}, "cells": ["dit-none"]}'), names="train.speedups_from"),
     Case("bench_speedups_garbage", "bench", ["train.speedups_from={box}/junk.bin", "out_dir={box}/run"],
          names="train.speedups_from"),
 ]
@@ -460,3 +487,42 @@ def test_refused_in_one_sentence_and_nothing_on_disk_changes(case, template, sha
     assert len(errors) == 1 and "Traceback" not in out.err + out.out, out.err
     assert case.names in errors[0], errors[0]
     assert snapshot(box) == before
+
+
+def test_a_key_given_twice_is_noted_and_the_last_one_used(capsys):
+    """Valid for Hydra (the last wins, and scripts that append to a base list of overrides rely on it), so it is not
+    refused; but it no longer passes in silence: one note per repeated key names both values and the one used."""
+    cfg = precompose("config", [*FAST, *TINY, "trainer.max_steps=3", "trainer.max_steps=5", "routing=random", "routing=rows"])
+    out = capsys.readouterr()
+    notes = [line for line in out.out.splitlines() if line.startswith("note:")]
+    assert "note:" not in out.err
+    assert cfg.trainer.max_steps == 5 and cfg.routing.policy == "rows"
+    assert any("trainer.max_steps=2, trainer.max_steps=3, trainer.max_steps=5" in n and "the last one, trainer.max_steps=5, is used" in n for n in notes)
+    assert any(n.startswith("note: routing is given") for n in notes) and len(notes) == 2  # one per key
+
+
+def test_under_a_launcher_only_rank_0_prints_the_refusal(monkeypatch, capsys):
+    """Every process of `accelerate launch` composes the same config and refuses it before any collective, with the
+    same exit code; the sentence is printed once, by rank 0 (docs/training.md: the launcher's own traceback)."""
+    for rank, printed in (("1", []), ("0", ["trainer.lr"])):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as exit_:
+            precompose("config", [*FAST, "trainer.lr=fast"])
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert exit_.value.code == 2 and len(errors) == len(printed) and all(p in e for p, e in zip(printed, errors))
+
+
+@pytest.mark.parametrize("text", ['[1, 2]', '{"steps": 8, "per_class": 2, "seed": 0, "rows": {"a": 1}}',
+                                  '{"steps": 8, "per_class": 2, "seed": 0, "rows": [1]}', '{"steps": [8], "per_class": 2, "seed": 0, "rows": []}',
+                                  '{"steps": 8, "per_class": 2, "seed": 0, "rows": [{"run": "x"}]}'])
+def test_a_sampling_table_of_the_wrong_shape_is_refused_naming_it(tmp_path, text):
+    """train.bench.sampling pools earlier studies' table.json files: valid JSON that is not one is refused in one
+    sentence (a row of another shape ended in a TypeError or KeyError deep in the pooling)."""
+    from routing import ConfigError
+    from train.bench.sampling import studied
+
+    path = tmp_path / "table.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="table.json is not a table.json written by") as err:
+        studied(path)
+    assert "\n" not in str(err.value) and path.read_text() == text

@@ -19,9 +19,40 @@ def main(cfg: DictConfig) -> None:
     Trainer(cfg, record=HydraRecord.current(cfg)).fit()
 
 
+def refuse_steps_behind(cfg: DictConfig) -> None:
+    """Refuse to resume a checkpoint that is already past trainer.max_steps.
+
+    The loop would not run a step, so the command would end in silence while a script reads exit code 0 as "trained
+    to max_steps"; it cannot honour the number (steps are never undone), so it is refused with exit code 2 and the
+    two ways on. A checkpoint exactly at max_steps is a finished run started again (resume=auto in a job script):
+    that stays a quiet no-op. A damaged checkpoint is left to the trainer, which names what is wrong with it."""
+    from pathlib import Path
+
+    from routing import ConfigError
+    from train.checkpoint import latest_checkpoint
+    from train.cli import refuse
+    from train.files import read_state
+
+    resume = cfg.get("resume")
+    if not resume:
+        return
+    try:
+        root = Path(str(cfg.run_dir)).expanduser() / "checkpoints"
+        path = latest_checkpoint(root) if resume in (True, "auto", "latest") else Path(str(resume)).expanduser()
+        step = read_state(path).step if path is not None and (path / "state.json").is_file() else None
+    except Exception:  # noqa: BLE001 -- the trainer refuses a damaged checkpoint in its own sentence
+        return
+    if step is not None and step > cfg.trainer.max_steps:
+        refuse(ConfigError(f"trainer.max_steps={cfg.trainer.max_steps} but checkpoint '{path}' is already at step {step}, past it; "
+                           f"raise trainer.max_steps above {step} to train on, or sample that checkpoint with "
+                           f"`python -m train.sample {path}`."))
+
+
 def cli(argv: list[str]) -> None:
     """What `python -m train ARGS` runs (tests call it in-process)."""
-    precompose("config", argv)  # a bad key, type or range: one sentence, exit 2, before any folder exists
+    cfg = precompose("config", argv)  # a bad key, type or range: one sentence, exit 2, before any folder exists
+    if cfg is not None:
+        refuse_steps_behind(cfg)
     sys.argv = [sys.argv[0], *argv]  # Hydra reads its command line from sys.argv
     main()
 

@@ -9,9 +9,12 @@ The encoding, its resumable shard layout and its statistics live in train/data/l
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Sequence
 
 from train.cli import ArgumentParser, bounded, existing, friendly_errors, output_folder
+from routing import ConfigError
+from train.data.images import list_images
 from train.data.latent_cache import DTYPES, CacheSettings, cache_latents
 from train.data.latents import DEFAULT_VAE
 
@@ -32,9 +35,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def check_labels_file(images: Path, labels_file: Path) -> None:
+    """Refuse a labels file with a row whose image is not in the folder (a typo, a path not relative to --images):
+    the cache would hold fewer images than the file lists, or fail minutes into encoding."""
+    root = images.expanduser().resolve()
+    files, _, _ = list_images(root, labels_file)
+    missing = [f for f in files if not (root / f).resolve().is_relative_to(root) or not (root / f).is_file()]
+    if missing:
+        raise ConfigError(f"--labels-file {str(labels_file)!r} names {len(missing)} file(s) that are not in --images "
+                          f"{str(images)!r} (first: {missing[0]!r}); write each path relative to --images, or drop those rows.")
+
+
 def main(argv: Sequence[str] | None = None) -> dict | None:
     """Run the caching; returns meta.json's content on the main process."""
     args = parse_args(argv)
+    if args.labels_file and Path(args.images).expanduser().is_dir():
+        check_labels_file(Path(args.images), Path(args.labels_file))
     return cache_latents(CacheSettings(**{**vars(args), "out": str(args.out)}))
 
 

@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from routing import ConfigError
 from train.schema import check_config, check_overrides, config_error
+from train.schema.yaml_bools import check_yaml_booleans
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -86,10 +87,12 @@ def precompose(config_name: str, overrides: list[str], check: Callable[[DictConf
             check_overrides(overrides)
         with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
             cfg = compose(config_name=config_name, overrides=overrides)
+            if training:  # a YAML file's quoted "true": OmegaConf would convert it in silence
+                check_yaml_booleans(config_name, overrides, cfg)
     except ConfigError as err:
-        _refuse(err)
+        refuse(err)
     except Exception as err:  # Hydra and OmegaConf raise many types; each becomes one sentence
-        _refuse(config_error(err) if training else _plain_config_error(config_name, err))
+        refuse(config_error(err) if training else _plain_config_error(config_name, err))
     try:
         (check or (check_config if training else lambda _: None))(cfg)
         if training and check is None and cfg.data.name == "captions":  # a missing caption or an unreadable image, before any work
@@ -101,8 +104,29 @@ def precompose(config_name: str, overrides: list[str], check: Callable[[DictConf
 
             check_videos(cfg)
     except ConfigError as err:
-        _refuse(err)
+        refuse(err)
+    if training:
+        note_repeated_keys(overrides)  # valid, so only once every check passed: a refusal stays the one line
     return cfg
+
+
+def note_repeated_keys(overrides: list[str]) -> None:
+    """Print one note per key (or group) given more than once on the command line: Hydra takes the last one, which is
+    valid and what scripts that append to a base list of overrides rely on, but a hand-edited command may not mean it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # noqa: BLE001 -- a malformed override: composing reports it in one sentence
+        return
+    given: dict[str, list[str]] = {}
+    for override in parsed:
+        given.setdefault(override.key_or_group, []).append(override.input_line)
+    for key, lines in given.items():
+        if len(lines) > 1 and os.environ.get("RANK", "0") == "0":
+            times = "twice" if len(lines) == 2 else f"{len(lines)} times"
+            # stdout, with the run's other notes: stderr stays the one line of a refusal
+            print(f"note: {key} is given {times} on the command line ({', '.join(lines)}); the last one, {lines[-1]}, is used.")
 
 
 def _plain_config_error(config_name: str, err: BaseException) -> ConfigError:
@@ -122,8 +146,12 @@ def _plain_config_error(config_name: str, err: BaseException) -> ConfigError:
     return ConfigError(f"{path} is not a key of configs/{config_name}.yaml{known}.")
 
 
-def _refuse(err: BaseException) -> None:
-    print(f"error: {err}", file=sys.stderr)
+def refuse(err: BaseException) -> None:
+    """Exit 2 with `err` as one line. Under a launcher (accelerate launch, torchrun) every process composes the same
+    config and refuses alike before any collective, so only rank 0 prints the sentence; the others exit quietly with
+    the same code (docs/training.md: why the launcher still prints its own traceback)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {err}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -134,7 +162,7 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports a bad flag in one sentence (no usage block) with exit code 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        _refuse(ConfigError(f"{self.prog}: {message.rstrip('.')}; see {self.prog} --help."))
+        refuse(ConfigError(f"{self.prog}: {message.rstrip('.')}; see {self.prog} --help."))
 
 
 def bounded(kind: type, low: float | None = None, high: float | None = None, *, example: str = ""):

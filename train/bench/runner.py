@@ -47,7 +47,7 @@ from train.bench.cost import measure_costs, speedups
 from train.bench.plots import plot_bars, plot_loss_curves, plot_quality_curves
 from train.bench.quality import Evaluation, held_out_split, train_and_score, warm_up
 from train.bench.report import table_rows, write_tables
-from train.bench.store import reuse_or_compute, saved_result, saved_subset
+from train.bench.store import check_saved, cost_cells, reuse_or_compute, saved_result, saved_subset
 from train.bench.timing import now, step_clock
 from train.build import objective_name
 from train.data import build_dataset
@@ -111,7 +111,7 @@ def refuse_missing_costs(bench: DictConfig, pairs: list) -> None:
     source = speedups_source(bench)
     if source is not None:
         try:
-            theirs = set(json.loads(source.read_text())["cells"])
+            theirs = set(cost_cells(source))
         except (ValueError, KeyError, TypeError):
             raise ConfigError(f"train.speedups_from={str(source)!r} is not a bench's cost.json; point it at one "
                               "(e.g. docs/bench/fashion/cost.json).") from None
@@ -131,7 +131,7 @@ def budget_cost_cells(bench: DictConfig, own: dict) -> dict:
     `train.speedups_from` another bench's cost.json, so that two benches that differ only in what the step does
     not cost (the objective, say) train exactly the same step counts (refuse_missing_costs checked it holds them)."""
     path = speedups_source(bench)
-    return own if path is None else json.loads(path.read_text())["cells"]
+    return own if path is None else cost_cells(path)
 
 
 def refuse_another_scorer(cells_dir: Path, clf_meta: dict, weights: Path) -> None:
@@ -146,8 +146,10 @@ def refuse_another_scorer(cells_dir: Path, clf_meta: dict, weights: Path) -> Non
     for path in sorted(cells_dir.glob("*.json")):
         try:
             scorer = json.loads(path.read_text()).get("settings", {}).get("classifier") or {}
-        except json.JSONDecodeError:
+        except ValueError:
             continue  # a damaged cell is re-measured like any other mismatch
+        if not isinstance(scorer, dict):
+            continue  # not a scorer's record: the cell's settings differ, so it is re-measured
         retrained = scorer.get("heldout_accuracy", clf_meta["heldout_accuracy"]) != clf_meta["heldout_accuracy"]
         if retrained and {k: scorer.get(k) for k in same_recipe} == same_recipe:
             raise ConfigError(
@@ -180,6 +182,7 @@ def run(bench: DictConfig, record: HydraRecord | None = None) -> list[dict]:
     if not cells:
         raise ConfigError("grid.skip removes every pair of the grid; keep at least one backbone-routing pair.")
     refuse_missing_costs(bench, pairs)
+    check_saved(results)  # a saved result of the wrong shape: refused now, not minutes in
     cfg = pairs[0].cfg
     dataset = build_dataset(cfg.data, cfg.edm.sigma_data)
     timing_shape = (dataset.shape[0], bench.timing.resolution, bench.timing.resolution)

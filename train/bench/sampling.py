@@ -61,6 +61,8 @@ from train.metrics.classifier import features, load_or_train, sample_scores  # n
 
 SCORES = {"classifier_fd": True, "class_accuracy": False}  # score: lower is better
 SAMPLING = ("steps", "per_class", "seed")  # the settings every pooled source must share
+ROW_KEYS = {"run", "group", "seed", "step", "rule", "kind", "gflops_per_image", "evaluations", "reference", "classifier_accuracy",
+            *SCORES}  # what a row of a study's table.json holds (evaluate)
 
 
 @dataclass
@@ -189,7 +191,12 @@ def studied(path: Path) -> dict:
     """An earlier study's table.json: its sampling settings and rows (its runs' checkpoints need not exist)."""
     try:
         table = json.loads(path.read_text())
-        return {"settings": {key: table[key] for key in SAMPLING}, "rows": list(table["rows"])}
+        settings, rows = {key: table[key] for key in SAMPLING}, table["rows"]
+        # Valid JSON of another shape (a list, rows that are not this study's rows) is refused as well, not read.
+        if not (all(isinstance(v, int) for v in settings.values()) and isinstance(rows, list)
+                and all(isinstance(r, dict) and ROW_KEYS <= r.keys() for r in rows)):
+            raise TypeError
+        return {"settings": settings, "rows": rows}
     except (OSError, ValueError, KeyError, TypeError):
         raise ConfigError(f"{path} is not a table.json written by `python -m train.bench.sampling`; "
                           "give run folders or such a file.") from None

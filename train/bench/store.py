@@ -8,6 +8,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from routing import ConfigError
+
 log = logging.getLogger(__name__)
 
 
@@ -35,12 +37,49 @@ def same_settings(saved, current, defaults=None) -> bool:
     return saved == current
 
 
-def _read(path: Path) -> dict | None:
-    """A saved result, or None when there is none or it is damaged (then it is measured again)."""
+def _read(path: Path, key: str | None = None) -> dict | None:
+    """A saved result, or None when there is none or it is not JSON (damaged: then it is measured again). Valid JSON
+    of another shape is refused (check_result): it is not a half-written result but someone's file, kept as it is."""
     try:
-        return json.loads(path.read_text()) if path.exists() else None
-    except json.JSONDecodeError:
+        saved = json.loads(path.read_text()) if path.exists() else None
+    except ValueError:  # not JSON, or not UTF-8 text
         return None
+    if saved is not None:
+        check_result(path, saved, key)
+    return saved
+
+
+def check_result(path: Path, saved, key: str | None = None) -> None:
+    """Refuse, in one sentence, JSON that is not a result this bench wrote: an object with a `settings` object and,
+    for `key` (cost.json's "cells"), an object of one object per cell in both the result and its settings."""
+    def cells(node) -> bool:
+        return isinstance(node, dict) and all(isinstance(v, dict) for v in node.values())
+
+    shaped = isinstance(saved, dict) and isinstance(saved.get("settings"), dict)
+    if shaped and key is not None:
+        shaped = cells(saved.get(key)) and cells(saved["settings"].get(key))
+    if not shaped:
+        what = f"an object with 'settings' and '{key}' objects" if key else "an object with a 'settings' object"
+        raise ConfigError(f"{path} is JSON but not a result this bench wrote ({what}); move it aside (or delete it) and run "
+                          "the command again to measure it anew.")
+
+
+def check_saved(results: Path) -> None:
+    """Before a bench writes anything: every saved result under `results` (cost.json, cells/*.json) it may reuse is
+    a result or damaged beyond JSON, never someone else's JSON (check_result)."""
+    _read(results / "cost.json", "cells")
+    for path in sorted((results / "cells").glob("*.json")):
+        _read(path)
+
+
+def cost_cells(path: Path) -> dict:
+    """The per-cell costs of a bench's cost.json (train.speedups_from); ValueError if it is not one."""
+    try:
+        saved = json.loads(path.read_text())
+        check_result(path, saved, "cells")
+    except ConfigError as err:
+        raise ValueError(str(err)) from None
+    return saved["cells"]
 
 
 def saved_result(path: Path, settings: dict, defaults: dict | None = None) -> dict | None:
@@ -55,7 +94,7 @@ def saved_subset(path: Path, settings: dict, key: str, defaults: dict | None = N
     (and everything else) under the same settings; else None. So a bench over a sub-grid reuses the costs measured for
     a bigger grid, and leaves that file as it was: each speedup is a ratio of two cells timed in the same rounds."""
     settings, defaults = json.loads(json.dumps([settings, defaults]))  # JSON-normal form, as read back
-    saved = _read(path)
+    saved = _read(path, key)
     measured = ((saved or {}).get("settings") or {}).get(key) or {}
     if not measured or not set(settings[key]) <= set(measured):
         return None
