@@ -41,7 +41,11 @@ class TrainerConfig:
                            example="fsdp")
     gradient_checkpointing: bool = key(False, "recompute each block's activations in the backward pass (less memory, about a third "
                                        "more compute), for every backbone family and fine-tuned model")
-    compile: bool = key(False, "torch.compile the network")
+    # Configs written before the modes existed said true (blocks) or false (off); both still mean that.
+    compile: Any = key("off", "torch.compile: off | blocks (each block compiled) | model (the whole denoiser in one graph)",
+                       choices=("off", "blocks", "model", True, False), example="model")
+    cuda_graphs: bool = key(False, "capture the compiled step as CUDA graphs (needs trainer.compile=model and a CUDA GPU; "
+                            "otherwise one line says why and the step runs without them)")
     log_every: int = key(10, "steps between metrics.jsonl lines", ge=1, example=100)
     # A name or a list (trainer.log_with=[tensorboard,wandb]); metrics.jsonl is written whatever this says.
     log_with: Any = key("tensorboard", "experiment trackers through accelerate: none | tensorboard | wandb | mlflow | comet_ml | "

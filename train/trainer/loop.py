@@ -1,0 +1,170 @@
+"""The loop around the step: progress, logging, checkpoints, previews and FID.
+
+Between logging steps the loop only counts; at a logging step (and wherever it checkpoints, samples, scores FID or
+ends) it reads the losses and the guard's counts from the device in one go. The progress bar shows the last loss
+read, and images/s is the wall time over the steps since the previous read (the read waits for them to finish).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from tqdm.auto import tqdm
+
+from edm import generate
+from train.build import describe_finetuning, finetune_family, sampling_objective
+from train.checkpoint import NonFiniteWeights, save_checkpoint
+from train.cli import RunStopped, is_disk_full
+from train.distributed import ShardedEma
+from train.files import write_atomic
+from train.grid import grid_labels, save_grid
+from train.logger import recipe
+
+
+class Loop:
+    """The Trainer's loop and what it writes."""
+
+    def reading_due(self, step: int) -> bool:
+        """Whether step `step` reads the device: always outside `fit`; in it, where it logs, checkpoints, samples or ends."""
+        if not self.in_loop:
+            return True
+        t, every = self.cfg.trainer, self.cfg.fid.every
+        return (step % t.log_every == 0 or step >= t.max_steps or bool(t.ckpt_every and step % t.ckpt_every == 0)
+                or bool(t.sample_every and step % t.sample_every == 0) or bool(every and step % every == 0))
+
+    def fit(self) -> list[float]:
+        """Train to trainer.max_steps (or trainer.max_minutes); returns the loss of every step run."""
+        cfg, t = self.cfg, self.cfg.trainer
+        if self.acc.is_main_process:
+            self._write("config.yaml", lambda: write_atomic(self.run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True)))
+        params = sum(p.numel() for p in self.backbone.parameters())
+        model = (describe_finetuning(cfg, self.acc.unwrap_model(self.net)) if finetune_family(cfg) else
+                 f"{cfg.backbone.name}-{cfg.backbone.preset}/{cfg.backbone.patch_size} ({params / 1e6:.2f}M params)")
+        self.acc.print(f"{model}, "
+                       f"routing={recipe(cfg.routing)}, data={cfg.data.name} {tuple(self.dataset.shape)}, "
+                       f"{self.acc.num_processes} process(es) on {self.acc.device}, run_dir={self.run_dir}")
+        first = len(self.read_losses)
+        budget = t.max_minutes * 60 if t.max_minutes else math.inf
+        began = time.perf_counter()
+        since = (self.step, began)  # the last read: images/s is measured over the steps after it
+        bar = tqdm(total=t.max_steps, initial=self.step, disable=not self.acc.is_main_process, desc="train", dynamic_ncols=True)
+        self.in_loop = True
+        try:
+            while self.step < t.max_steps:
+                skipped = self.skipped_steps
+                loss = self.train_step()  # None between reads
+                bar.update(1)
+                last = self.step == t.max_steps or time.perf_counter() - began > budget
+                if loss is None and last:
+                    loss = self._read()[-1]
+                if loss is None:
+                    continue
+                now = time.perf_counter()
+                images_per_s = t.batch_size * (self.step - since[0]) / (now - since[1])
+                since = (self.step, now)
+                bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{images_per_s:.0f}")
+                if self.step % t.log_every == 0 or last or self.skipped_steps > skipped:
+                    self._write("metrics.jsonl", self.logger.log, self.step, {
+                        "loss": loss, **self.last_aux, "images_per_s": images_per_s, "seconds": now - began,
+                        "skipped_steps": self.skipped_steps})
+                self._check_streak()
+                # Save first: a failing preview must not cost the checkpoint of its step. No checkpoint while the
+                # newest step was non-finite: the weights that produced it must not rotate out good ones.
+                if t.ckpt_every and (self.step % t.ckpt_every == 0 or last) and not self.bad_streak:
+                    self.save()
+                if t.sample_every and (self.step % t.sample_every == 0 or last):
+                    self.sample_grid()
+                if cfg.fid.every and (self.step % cfg.fid.every == 0 or last):
+                    self.evaluate_fid()
+                if last:
+                    break
+        finally:
+            self.in_loop = False
+            bar.close()  # before any message of a stopped run, so it starts a line of its own
+        self.logger.close()
+        self._release_run_dir()
+        return self.read_losses[first:]
+
+    def evaluate_fid(self) -> float:
+        """FID of the EMA model; every process samples its share, all get the same value."""
+        from train.metrics.fid import compute_fid
+
+        fid = compute_fid(self.ema.module.eval(), self.dataset, self.cfg.fid, self.acc, self.objective)
+        self._write("metrics.jsonl", self.logger.log, self.step, {"fid": fid})
+        self.acc.print(f"step {self.step}: FID {fid:.2f}")
+        return fid
+
+    def _write(self, what: str, write, *args):
+        """Run `write(*args)`; a failed write stops the run in one sentence naming the last good checkpoint."""
+        try:
+            return write(*args)
+        except OSError as err:
+            raise self._stop_on_write(f"{what} in {self.run_dir}", err) from None
+
+    def _stop_on_write(self, what: str, err: BaseException) -> RunStopped:
+        """A write that failed mid-run (a full disk, a folder made read-only): the run stops with exit code 3."""
+        full = is_disk_full(err)
+        good = self._good_checkpoint("free space, then continue from it" if full else "fix the folder, then continue from it", lr=False)
+        self._release_run_dir()
+        detail = getattr(err, "strerror", None) or (str(err).splitlines() or [type(err).__name__])[0]
+        return RunStopped(f"could not write {what}: {'the disk is full' if full else 'writing failed'} ({detail}); "
+                          f"nothing else was changed, and {good}.")
+
+    def save(self) -> None:
+        """Checkpoint this step; never from non-finite or exploded weights, and a failed write names the last good one."""
+        self.acc.wait_for_everyone()
+        ckpt_root = self.run_dir / "checkpoints"
+        self._check_weight_growth()  # every process computes the same norm, so all stop alike
+        try:
+            sharded = isinstance(self.ema, ShardedEma)
+            gathered = self._gather_checkpoint() if sharded else None  # every process takes part in the gathers
+            if self.acc.is_main_process:
+                ema = self.acc.unwrap_model(self.net) if sharded else self.ema.module
+                save_checkpoint(ckpt_root, self.step, self.acc.unwrap_model(self.net), ema,
+                                self.optimizer, self.cfg, keep=self.cfg.trainer.keep_checkpoints, gathered=gathered)
+        except NonFiniteWeights as err:
+            good = self._good_checkpoint()
+            self._release_run_dir()
+            raise RunStopped(f"could not save the checkpoint of step {self.step} in {ckpt_root}: the weights hold NaN or inf "
+                             f"({err}); {good}.") from None
+        except OSError as err:
+            raise self._stop_on_write(f"the checkpoint of step {self.step} in {ckpt_root}", err) from None
+        self.acc.wait_for_everyone()
+
+    def _gather_checkpoint(self) -> dict:
+        """Full state dicts of a sharded run, gathered by every process, kept by the main one: the trained tensors, their
+        EMA and AdamW's state (by parameter name), so the checkpoint loads on one process too."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        from train.checkpoint import trained_views
+        from train.distributed import full_tensors
+
+        net, main = self.acc.unwrap_model(self.net), self.acc.is_main_process
+        model = full_tensors(trained_views(net, self.cfg), main)
+        with self._ema_net() as ema:
+            ema_state = full_tensors(trained_views(ema, self.cfg), main)
+        optimizer = get_optimizer_state_dict(net, self.optimizer.optimizer,
+                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {"model": model, "ema": ema_state, "optimizer": optimizer}
+
+    def sample_grid(self) -> Path | None:
+        """EMA samples with fixed seed and labels, so grids are comparable across steps."""
+        s = self.cfg.sample
+        path = self.run_dir / "samples" / f"step_{self.step:07d}.png"
+        # A sharded model samples on every process (each forward gathers its weights); the main one writes the grid.
+        if self.acc.is_main_process or isinstance(self.ema, ShardedEma):
+            # One row per class; a captioned set shows its first captions.
+            labels = grid_labels(getattr(self.dataset, "preview_classes", self.dataset.num_classes), s.per_class)
+            with self._ema_net() as ema:
+                ema = ema.eval()
+                objective = sampling_objective(self.cfg, self.objective, self.backbone, self.dataset.shape)
+                x = generate(ema, labels, shape=self.dataset.shape, steps=s.steps, guidance=s.guidance, seed=s.seed,
+                             device=self.acc.device, null_label=self.dataset.num_classes, objective=objective,
+                             router=ema.model.router)
+            if self.acc.is_main_process:
+                path = self._write(f"the sample grid {path.name}", save_grid, self.dataset.to_images(x), path, s.per_class)
+        self.acc.wait_for_everyone()
+        return path

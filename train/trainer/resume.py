@@ -1,0 +1,71 @@
+"""Resuming: the checkpoint to continue, its weights, AdamW's state and the settings that changed since."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from routing import ConfigError
+from train.checkpoint import latest_checkpoint, load_checkpoint, load_trained_state
+from train.distributed import optimizer_from_names, shard_optimizer_state
+from train.schema import resume_changes
+
+
+class Resume:
+    """The Trainer's resume."""
+
+    def _maybe_resume(self) -> None:
+        resume = self.cfg.resume
+        if not resume:
+            return
+        ckpt_root = self.run_dir / "checkpoints"
+        path = latest_checkpoint(ckpt_root) if resume in (True, "auto", "latest") else Path(str(resume))
+        if path is None:
+            if resume == "auto":
+                return
+            raise ConfigError(f"resume={'true' if resume is True else resume} but {ckpt_root} holds no checkpoint; drop resume= or "
+                              "point run_dir= at the run to continue.")
+        if not path.is_dir():
+            raise ConfigError(f"resume={resume!r} is not a checkpoint folder; pass resume=auto or a step_* folder "
+                              f"(e.g. resume={ckpt_root / 'step_0000100'}).")
+        state = load_checkpoint(path, self.cfg)
+        try:
+            load_trained_state(self.acc.unwrap_model(self.net), state, "model", self.cfg)
+            with self._ema_net() as ema:
+                load_trained_state(ema, state, "ema", self.cfg)
+        except RuntimeError as err:
+            raise ConfigError(f"checkpoint '{path}' does not fit this model ({str(err).splitlines()[0]}); resume with the config it was trained with.") from err
+        try:
+            self._load_optimizer(state)
+        except (KeyError, ValueError, TypeError) as err:
+            raise ConfigError(f"checkpoint '{path}' holds an optimizer state that does not fit this model ({type(err).__name__}); "
+                              "resume from an older step_* folder.") from None
+        self._apply_resume_changes(path, state["config"])
+        torch.set_rng_state(state["torch_rng"])
+        self.step = state["step"]
+        self.acc.print(f"resumed from {path} at step {self.step}")
+
+    def _load_optimizer(self, state: dict) -> None:
+        """AdamW's state from a checkpoint, keyed by position (one process, DDP) or by parameter name (FSDP's full state
+        dict): either kind resumes either way."""
+        trained = [(n, p) for n, p in self.acc.unwrap_model(self.net).named_parameters() if p.requires_grad]  # its order
+        saved = state["optimizer"]
+        if state.get("optimizer_keys") == "names":
+            saved = optimizer_from_names(saved, [n for n, _ in trained])
+        if self.acc.is_fsdp2:
+            saved = shard_optimizer_state(saved, [p for _, p in trained])
+        self.optimizer.load_state_dict(saved)
+
+    def _apply_resume_changes(self, path: Path, saved_cfg: DictConfig) -> None:
+        """Settings that differ from the checkpoint's: refuse those that change what the weights mean, apply the rest."""
+        refused, applied = resume_changes(saved_cfg, self.cfg)
+        if refused:
+            raise ConfigError(f"checkpoint '{path}' was trained with other values of keys that cannot change on resume "
+                              f"({'; '.join(refused)}); resume with the saved values or start a new run_dir.")
+        t = self.cfg.trainer
+        for group in self.optimizer.param_groups:  # the optimizer state just loaded carries the old ones
+            group.update(lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+        if applied:
+            self.acc.print(f"resume: applying changed settings: {'; '.join(applied)}")

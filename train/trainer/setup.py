@@ -1,0 +1,205 @@
+"""The Trainer's set-up: every check before any work, then the objects a run trains with, then its first writes.
+
+A refused run leaves every byte on disk as it was (docs/training.md, "Run folders"): `_set_up` reads and builds
+but writes nothing; `_commit` writes once everything has passed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from routing import ConfigError
+from train.build import build_ema, build_net, compile_mode, compile_network, finetune_family, objective_for, routed_blocks, time_shift
+from train.checkpoint import recover_checkpoints
+from train.data import build_dataset
+from train.data.prefetch import Prefetcher
+from train.data.prompts import check_table
+from train.distributed import ShardedEma, shard_blocks
+from train.files import read_metrics
+from train.logger import MetricsLogger
+from train.rundir import HydraRecord, move_aside, refuse_used
+from train.schema import check_config as schema_check
+
+
+def flat_settings(cfg: DictConfig) -> dict:
+    """The resolved config as flat scalar settings (`trainer.lr: 0.001`), the form trackers store hyperparameters in."""
+    def flat(node, prefix=""):
+        for k, v in node.items():
+            if isinstance(v, dict):
+                yield from flat(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v if isinstance(v, (int, float, str, bool)) else json.dumps(v)
+
+    return dict(flat({k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "hydra"}))
+
+
+def check_config(cfg: DictConfig, num_processes: int = 1, device: torch.device | None = None) -> None:
+    """Every cheap check before any work starts: the schema (types, ranges, backbone kwargs, FID paths,
+    train/schema/), then what depends on the launch (the batch over processes, fp16 on this device) and the
+    files the run will read later (the data's decoder, the FID reference and Inception weights, the prompt table)."""
+    schema_check(cfg)
+    t = cfg.trainer
+    if t.get("distributed", "ddp") == "fsdp":
+        fsdp = "trainer.distributed=fsdp"
+        if num_processes < 2:
+            raise ConfigError(f"{fsdp} shards the model over processes, but this run has one; launch it with `accelerate launch "
+                              "--multi_gpu --num_processes N -m train ...` (N >= 2), or drop trainer.distributed=fsdp.")
+        if compile_mode(t.get("compile")) != "off":
+            raise ConfigError(f"{fsdp} does not compile the network; set trainer.compile=off.")
+        if cfg.fid.every:
+            raise ConfigError(f"{fsdp} runs no FID during training (the processes would sample unequal shares through one sharded "
+                              "model); set fid.every=0 and score a checkpoint with python -m train.fid.")
+    per_step = num_processes * t.grad_accum
+    if t.batch_size % per_step:
+        raise ConfigError(
+            f"trainer.batch_size={t.batch_size} is not divisible by {num_processes} processes x trainer.grad_accum={t.grad_accum}; "
+            f"choose a multiple of {per_step}."
+        )
+    if t.mixed_precision == "fp16" and device is not None and device.type != "cuda":
+        raise ConfigError(f"trainer.mixed_precision=fp16 needs a CUDA GPU, but this run is on the {device.type} (where it would "
+                          "silently run in fp32); use trainer.mixed_precision=bf16 or no.")
+    if t.sample_every and cfg.data.name == "latents":
+        from train.data.latents import check_vae
+
+        check_vae(cfg.data)  # a missing VAE folder fails now, not at the first preview grid
+    if cfg.data.name == "latents" and finetune_family(cfg):
+        from train.data.latents_space import check_latent_space
+
+        check_latent_space(cfg)  # a fine-tune trains in its pretrained model's latent space
+    if cfg.fid.every:
+        from train.metrics.fid import check_reference
+
+        check_reference(cfg.fid.ref, cfg.fid.inception)  # not after the first round of FID samples
+    if finetune_family(cfg) and cfg.finetune.prompts is not None:
+        check_table(cfg.finetune.prompts, cfg.finetune.family)  # before the pretrained weights load
+
+
+class SetUp:
+    """The Trainer's set-up and first writes."""
+
+    def _set_up(self) -> None:
+        """Everything that can refuse the run, with no write: the folder's state, data, model, optimizer, the
+        checkpoint to resume and the metrics log."""
+        cfg, t = self.cfg, self.cfg.trainer
+        self._move_aside = not cfg.resume and refuse_used(self.run_dir, bool(cfg.get("overwrite")))
+        if cfg.data.name == "captions":
+            # A captioned folder's refusals (a missing caption, an unreadable image) first; then its cache, which the
+            # dataset reads, is brought up to date (beside the data, not in the run folder).
+            self._prepare_captions(self._list_captions())
+        if cfg.data.name == "videos":
+            self._prepare_videos(self._list_clips())  # likewise a video folder's
+        self.dataset = build_dataset(cfg.data, cfg.edm.sigma_data)
+        if len(self.dataset) == 0:
+            raise ConfigError(f"data.name='{cfg.data.name}' has no samples; check data.path.")
+        set_seed(cfg.seed)  # identical initial weights on every process and every run with this seed
+        net = build_net(cfg, self.dataset)
+        self.backbone = net.model
+        self.micro_batch = t.batch_size // (self.acc.num_processes * t.grad_accum)
+        self.objective = objective_for(cfg)
+        # Fine-tuning may shift the training draws towards noise (SD3's fixed shift, Flux's per resolution); None: unshifted.
+        self.train_shift = time_shift(cfg, "train", self.backbone.patch) if finetune_family(cfg) else None
+        if self.acc.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # fp32 matmuls on tensor cores
+        # Fused AdamW: one launch for every parameter, and `found_inf`, which lets the divergence guard skip a step
+        # on the device (guard.py). Only trained parameters (all from scratch; the LoRA when fine-tuning) get state.
+        trained = [p for p in net.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trained, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, fused=True)
+        sharded = self.acc.is_fsdp2
+        self.ema = None if sharded else build_ema(cfg, net, self.acc.device)
+        if sharded:
+            shard_blocks(self.acc, [type(block).__name__ for block in routed_blocks(net)])  # one FSDP unit per block
+        self.net, self.optimizer = self.acc.prepare(net, optimizer)
+        if sharded:
+            self.ema = ShardedEma(self.net, t.ema_decay, t.ema_warmup)  # sharded as the model is
+        # After the EMA copy (a deep copy of a compiled block would call the original's compiled code). `forward` is what
+        # the step calls: the network, or its whole compiled graph (trainer.compile=model), which `net` stays beside.
+        self.compile_mode = compile_mode(t.get("compile"))
+        self.forward = compile_network(self.net, self.backbone, self.compile_mode, bool(t.get("cuda_graphs", False)),
+                                       log=self.acc.print)
+        self.compile_report_pending = self.compile_mode != "off"
+        self.step = 0
+        self.in_loop = False  # outside fit every step is read at once
+        self.read_losses: list[float] = []  # every loss read so far
+        self.prefetcher = Prefetcher(self._load_batch, pin=True) if self.acc.device.type == "cuda" else None
+        if self.prefetcher is not None:
+            weakref.finalize(self, self.prefetcher.close)
+        self._start_guard()
+        self._maybe_resume()
+        # Divergence guard: the trained weights' norm at the start and at each checkpoint that passed.
+        self.norms = [(self.step, self._weight_norm())]
+        # The log this run continues (none when overwrite=true moves the old run aside, however damaged its log).
+        keep = self.acc.is_main_process and not self._move_aside
+        self._metrics = read_metrics(self.run_dir / "metrics.jsonl") if keep else []
+
+    def _commit(self, record: HydraRecord | None) -> None:
+        """The first writes, once every check has passed: the folder and its lock, what a killed save left, an
+        old run moved aside (overwrite=true), Hydra's record and the metrics log trimmed for a resume."""
+        if self._claim is not None:
+            self._claim.commit()
+            for line in recover_checkpoints(self.run_dir / "checkpoints"):
+                print(f"run_dir: {line} (left by an interrupted save)")
+            if self._move_aside:
+                self.acc.print(f"overwrite=true: moved the previous run in {self.run_dir} to {move_aside(self.run_dir)}")
+            if record is not None:
+                record.write(self.run_dir)
+        self.acc.wait_for_everyone()
+        self.logger = MetricsLogger(self.run_dir, self.acc.is_main_process, resume_step=self.step, records=self._metrics,
+                                    trackers=self._start_trackers())
+
+    def _list_captions(self) -> list:
+        from train.data.captions import check_captions
+
+        return check_captions(self.cfg)
+
+    def _prepare_captions(self, items: list) -> None:
+        """Encode a captioned folder's new or changed captions and images into its cache (main process), once per run."""
+        from train.data.caption_cache import prepare_captions
+
+        if self.acc.is_main_process:
+            prepare_captions(self.cfg, device=self.acc.device, log=self.acc.print, items=items)
+        self.acc.wait_for_everyone()
+
+    def _list_clips(self) -> list:
+        from train.data.videos import check_videos
+
+        return check_videos(self.cfg)
+
+    def _prepare_videos(self, clips: list) -> None:
+        """Encode a video folder's new or changed captions and clips into its cache (main process), once per run."""
+        from train.data.video_cache import prepare_videos
+
+        if self.acc.is_main_process:
+            prepare_videos(self.cfg, clips, device=self.acc.device, log=self.acc.print)
+        self.acc.wait_for_everyone()
+
+    def _release_run_dir(self) -> None:
+        if self._claim is not None:
+            self._claim.release()
+
+    def _start_trackers(self) -> Accelerator | None:
+        """Start accelerate's trackers of trainer.log_with (TensorBoard writes run_dir/tb/tread-zoo; wandb runs offline
+        unless WANDB_MODE says otherwise); None when there are none."""
+        if not self.acc.log_with:
+            return None
+        wandb = {"name": self.run_dir.name, "dir": str(self.run_dir), "mode": os.environ.get("WANDB_MODE", "offline")}
+        self.acc.init_trackers("tread-zoo", config=flat_settings(self.cfg), init_kwargs={"wandb": wandb})
+        return self.acc
+
+    @contextmanager
+    def _ema_net(self) -> Iterator[nn.Module]:
+        """The EMA network: the EMA's own copy; under FSDP, the sharded model holding the EMA weights meanwhile."""
+        if isinstance(self.ema, ShardedEma):
+            with self.ema.swapped(self.acc.unwrap_model(self.net)) as net:
+                yield net
+        else:
+            yield self.ema.module
