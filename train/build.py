@@ -17,6 +17,7 @@ from backbones import Backbone, build_backbone
 from backbones.adapters import PromptConditioned, adapt, add_lora, keep_labels, load_pretrained, lora_layers, lora_targets, resolution_shift
 from edm import Objective, build_objective
 from routing import ConfigError, Router, build_policy, resolve_routes
+from train.compiling import compile_blocks, compile_mode, compile_network, compiled_graphs  # noqa: F401 (the trainer's imports)
 from train.data.prompts import DTYPES, read_table
 
 
@@ -263,27 +264,3 @@ def build_ema(cfg: DictConfig, net: nn.Module, device) -> nn.Module:
     # Both update with foreach kernels: one launch per list of tensors, not per tensor.
     ema = TrainableEma if finetune_family(cfg) else ModelEmaV3
     return ema(net, decay=t.ema_decay, use_warmup=t.ema_warmup, device=device)
-
-
-def compile_blocks(model: Backbone) -> None:
-    """torch.compile every block in place (`trainer.compile=true`), so state-dict keys stay unchanged.
-
-    Blocks of one family share their code and dynamo treats their parameters as inputs, so the whole stack
-    reuses a few graphs: one per token count (the full sequence and each route's subset, static for a config,
-    hence dynamic=False), per autocast state (the fp32 block after a route) and per Python constant that
-    differs between layers (Mamba's scan order). The recompile limit is raised to fit them all.
-    """
-    import torch._dynamo
-
-    limit = 4 * len(model.blocks)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 8 * limit)
-    for block in model.blocks:
-        block.compile(dynamic=False)
-
-
-def compiled_graphs() -> int:
-    """Graphs dynamo has compiled in this process so far (reported after the first compiled steps)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])

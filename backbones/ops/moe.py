@@ -211,13 +211,15 @@ class MoE(nn.Module):
     @torch.no_grad()
     def _update_threshold(self, prob: torch.Tensor, k: int) -> None:
         """EMA (decay 0.95) of each expert's k-th largest predicted probability, averaged over processes."""
-        if torch._C._current_graph_task_id() != -1:
-            return  # a gradient-checkpointing recompute, inside the backward pass: the forward counted this batch already
+        # A gradient-checkpointing recompute runs inside the backward pass: the forward counted this batch already.
+        # (A compiled forward is traced once and never re-runs this Python, and dynamo cannot ask autograd.)
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+            return
         kth = prob.topk(k, dim=0).values[-1]  # (E,)
-        if self.threshold_updates == 0:
-            new = kth  # start at the first observation rather than at 0 (which would mean "all experts")
-        else:
-            new = self.threshold_decay * self.threshold + (1 - self.threshold_decay) * kth
+        # Start at the first observation rather than at 0 (which would mean "all experts"); chosen on the device,
+        # so the step reads nothing back to the host and a compiled forward stays one graph.
+        ema = self.threshold_decay * self.threshold + (1 - self.threshold_decay) * kth
+        new = torch.where(self.threshold_updates == 0, kth, ema)
         if self.sync_thresholds and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # The pool is per process, the threshold global: every process applies the mean update.
             dist.all_reduce(new, op=dist.ReduceOp.SUM)

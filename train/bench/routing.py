@@ -1,18 +1,22 @@
 """Routed vs unrouted training-step cost, in one run: FLOPs, FLOP-ideal speedup, measured speedup.
 
     python -m train.bench.routing --backbone dit --presets tiny S --policy random
-    python -m train.bench.routing --presets S B XL --batch 128 --device cuda --bf16 --compile --repeats 20 --warmup 5
+    python -m train.bench.routing --presets S B XL --batch 128 --device cuda --bf16 --compile model --repeats 20 --warmup 5
+    python -m train.bench.routing --presets XL --batch 64 --device cuda --bf16 --compile model --cuda-graphs --policy sprint
 
 Each preset is built twice from the same weights, once with `configs/routing/none.yaml` and once with the
-chosen policy's YAML (TREAD's default route r2->depth-4, ratio 0.5); steps are timed interleaved.
-With --compile every block is compiled as `trainer.compile=true` does; the first routed and unrouted steps
-(compilation) are timed apart and the number of graphs is printed. On CUDA the table adds model FLOPs
+chosen policy's YAML (TREAD's default route r2->depth-4, ratio 0.5); steps are timed interleaved, the routed
+one drawing its routes before the forward from a per-step generator, as the trainer does (Router.set_draws).
+--compile blocks (or --compile alone) compiles every block as `trainer.compile=blocks` does; --compile model the
+whole denoiser as `trainer.compile=model`; --cuda-graphs adds `trainer.cuda_graphs`. The first routed and unrouted
+steps (compilation) are timed apart and the number of graphs is printed. On CUDA the table adds model FLOPs
 utilization: counted FLOPs / step time / the card's dense bf16 peak (--peak-tflops, or known from its name).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 from pathlib import Path
 
@@ -21,7 +25,8 @@ from omegaconf import OmegaConf
 
 from backbones import build_backbone
 from edm import EDMPrecond
-from train.build import build_router, compile_blocks, compiled_graphs
+from train.build import build_router
+from train.compiling import MODES, compile_network, compiled_graphs
 from routing import count_flops
 from train.bench.timing import interleaved_medians, training_step
 
@@ -59,7 +64,15 @@ def measure(args, preset: str) -> dict:
     model = net.model
     shape = (args.channels, args.input_size, args.input_size)
     plain_router = model.router
-    step = training_step(net, args.batch, shape, 1000, device)
+    draws = torch.Generator(device=device)
+    calls = itertools.count()
+    compiled = {"net": net}
+
+    def fresh_draws():
+        # As the trainer: the routes of a step drawn before its forward, from a generator seeded per step.
+        router.set_draws(draws.manual_seed(next(calls)), 0, args.batch)
+
+    step = training_step(_Forward(compiled), args.batch, shape, 1000, device)
 
     def unrouted():
         model.router = plain_router
@@ -67,13 +80,14 @@ def measure(args, preset: str) -> dict:
 
     def routed():
         model.router = router
+        fresh_draws()
         step()
 
     flops = {"unrouted": count_flops(unrouted, grad=True), "routed": count_flops(routed, grad=True)}
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
     compile_seconds, graphs = None, None
-    if args.compile:
-        compile_blocks(model)
+    if args.compile != "off":
+        compiled["net"] = compile_network(net, model, args.compile, args.cuda_graphs)
         before = compiled_graphs()
         tic = time.perf_counter()
         with autocast:
@@ -113,14 +127,16 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--device", default="cpu")
     p.add_argument("--bf16", action="store_true", help="autocast to bf16 (GPU)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--compile", action="store_true", help="torch.compile every block, as trainer.compile=true")
+    p.add_argument("--compile", nargs="?", const="blocks", default="off", choices=MODES,
+                   help="off; blocks (each block compiled, as trainer.compile=blocks; --compile alone); model (the whole denoiser)")
+    p.add_argument("--cuda-graphs", action="store_true", help="capture the compiled step in CUDA graphs (with --compile model on CUDA)")
     p.add_argument("--peak-tflops", type=float, default=None, help="the card's dense bf16 peak, for MFU (default: known cards)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     where = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"cpu, threads={torch.get_num_threads()}"
-    print(f"{args.backbone} | policy={args.policy} | {where} | bf16={args.bf16} | compile={args.compile} | torch {torch.__version__}")
+    print(f"{args.backbone} | policy={args.policy} | {where} | bf16={args.bf16} | compile={args.compile}{' +cuda graphs' if args.cuda_graphs else ''} | torch {torch.__version__}")
     header = ("| preset | tokens | batch | route | GFLOPs unrouted | GFLOPs routed | ideal speedup | ms unrouted | ms routed | "
               "measured speedup | efficiency | MFU unrouted | MFU routed | compile s (graphs) |")
     print(header)
@@ -134,6 +150,20 @@ def main(argv=None) -> list[dict]:
               f"{r['measured']:.3f}x | {r['efficiency']:.2f} | {_pct(r['mfu_unrouted'])} | {_pct(r['mfu_routed'])} | "
               f"{_compiled(r)} |", flush=True)
     return rows
+
+
+class _Forward:
+    """The network a step calls: eager at first, the compiled one once the benchmark compiles (the step's optimizer
+    keeps the eager module's parameters, which the compiled network shares)."""
+
+    def __init__(self, holder: dict):
+        self.holder = holder
+
+    def __call__(self, *args, **kwargs):
+        return self.holder["net"](*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.holder["net"], name)
 
 
 def _compiled(row: dict) -> str:
