@@ -119,3 +119,12 @@ def test_masks_are_not_images_and_one_bit_masks_are_accepted(tmp_path):
     items = list_captioned(data)
     assert len(items) == 6 and not any("mask" in item.file for item in items)  # no caption needed for a mask
     assert mask_file(data / "wide" / "d.png") == data / "wide" / "d.mask.png"
+
+
+def test_mask_loss_weights_that_train_nothing_are_refused():
+    from train.data.masks import check_weights
+
+    check_weights(None)
+    check_weights([0.0, 1.0])  # only the unmasked region trains: allowed
+    with pytest.raises(ConfigError, match=re.escape("data.mask_loss_weight=[0.0, 0.0] weighs every pixel")):
+        check_weights([0.0, 0.0])

@@ -20,7 +20,7 @@ from PIL import Image
 
 from routing.errors import ConfigError
 from train.data.images import IMAGE_EXTENSIONS, image_files
-from train.data.masks import check_mask, check_orphans, is_mask_file, mask_file
+from train.data.masks import check_mask, check_orphans, check_weights, is_mask_file, mask_file
 
 # What PIL raises for truncated, corrupt or hostile files.
 UNREADABLE = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
@@ -75,6 +75,7 @@ def check_captions(cfg) -> list[Captioned]:
         raise ConfigError("data=captions needs data.path=<folder of images with a .txt caption beside each>.")
     if cfg.data.channels not in (1, 3):
         raise ConfigError(f"data.channels={cfg.data.channels} is neither 3 (RGB) nor 1 (grey); choose one of them.")
+    check_weights(cfg.data.get("mask_loss_weight"))
     return list_captioned(cfg.data.path)
 
 

@@ -47,6 +47,14 @@ def mask_file(item: Path) -> Path:
     return item.with_name(_stem(item) + SUFFIX)
 
 
+def check_weights(weights) -> None:
+    """Refuse data.mask_loss_weight=[0, 0]: a masked sample would then train nothing at all (the range and the two
+    values are the schema's)."""
+    if weights is not None and not any(float(w) > 0 for w in weights):
+        raise ConfigError(f"data.mask_loss_weight={list(weights)} weighs every pixel of a masked sample 0, so those samples "
+                          "would train nothing; give inside > 0 (e.g. data.mask_loss_weight=[1.0,0.0], SimpleTuner's masked loss).")
+
+
 def check_mask(path: Path, size: tuple[int, int], of: Path) -> None:
     """Refuse, in one sentence, a mask that is unreadable, not single-channel grey, or not the size of `of` (its image)."""
     try:

@@ -27,7 +27,7 @@ from train.data.caption_cache import PIXELS, vae_folder
 from train.data.captions import UNREADABLE
 from train.data.captions import read_caption as read_sidecar
 from train.data.images import IMAGE_EXTENSIONS
-from train.data.masks import check_mask, check_orphans, is_mask_file, mask_file, read_mask
+from train.data.masks import check_mask, check_orphans, check_weights, is_mask_file, mask_file, read_mask
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi")
 CLIP_EXTENSIONS = (".gif", *VIDEO_EXTENSIONS)
@@ -255,4 +255,5 @@ def check_videos(cfg) -> list[Clip]:
         if side % (spatial * p):
             raise ConfigError(f"data.{key}={side} is not a multiple of {spatial * p} (the VAE's factor {spatial} x the model's patch {p}); "
                               f"use data.{key}={max(1, round(side / (spatial * p))) * spatial * p}.")
+    check_weights(d.get("mask_loss_weight"))
     return list_clips(d.path, d.frames, d.stride)
