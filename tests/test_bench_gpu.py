@@ -79,15 +79,26 @@ def test_a_section_that_raises_is_one_line_and_the_run_goes_on():
     assert results[1]["status"] == "measured"
 
 
-def test_a_section_past_the_budget_is_stopped():
-    def forever():
-        time.sleep(30)
-        return {"status": "measured", "records": []}
+def _forever():
+    time.sleep(30)
+    return {"status": "measured", "records": []}
 
+
+def test_a_section_past_three_times_its_estimate_is_stopped_and_the_next_runs():
     calls: list[str] = []
-    sections = [Section("slow", "slow", "steps", 0.1, forever), *_sections(calls, {"after": 0.1})]
-    results = run_sections(sections, budget_s=0.4, log=lambda line: None)
+    sections = [Section("hangs", "hangs", "steps", 0.1, _forever), *_sections(calls, {"after": 0.1})]
+    results = run_sections(sections, budget_s=100, log=lambda line: None)
     assert results[0]["status"] == "stopped" and results[0]["seconds"] < 10
+    assert results[0]["note"] == "still running after 0 s (3 x its estimate), stopped"
+    assert results[1]["status"] == "measured" and calls == ["after"]
+
+
+def test_a_section_past_the_budget_is_stopped():
+    calls: list[str] = []
+    sections = [Section("slow", "slow", "steps", 0.1, _forever), *_sections(calls, {"after": 0.1})]
+    # A dry run's estimates are nominal: only the whole budget (x 1.25) stops a section there.
+    results = run_sections(sections, budget_s=1.2, dry_run=True, log=lambda line: None)
+    assert results[0]["status"] == "stopped" and "1.25 x the budget" in results[0]["note"] and results[0]["seconds"] < 10
     assert results[1]["status"] == "skipped" and calls == []
 
 
@@ -97,6 +108,19 @@ def test_a_kernel_that_differs_from_its_reference_fails():
     good = gpu_checks._compare("k", "fp32", "4x8", lambda x: torch.tanh(x).float(), torch.tanh, inputs, upstream)
     bad = gpu_checks._compare("k", "fp32", "4x8", lambda x: torch.tanh(x * 1.001).float(), torch.tanh, inputs, upstream)
     assert good["passed"] and not bad["passed"] and bad["y_error"] > 1e-4
+
+
+def test_a_broken_kernel_is_a_row_and_the_other_kernel_is_still_checked(monkeypatch):
+    import backbones.ops.wkv
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel here\ndetail")
+
+    monkeypatch.setattr(backbones.ops.wkv, "bi_wkv", broken)
+    checks = gpu_checks.kernel_checks(torch.device("cpu"), (1, 4, 8, 4), (1, 8, 4))
+    assert [c["passed"] for c in checks] == [True, True, True, False, False]
+    assert checks[3] == {"kernel": "Bi-WKV (Triton)", "precision": "fp32", "shape": "B1 T8 C4",
+                         "error": "RuntimeError: no kernel here", "passed": False}
 
 
 def test_a_family_that_differs_on_the_device_fails(monkeypatch):
@@ -122,6 +146,7 @@ def test_a_family_that_differs_on_the_device_fails(monkeypatch):
     ("  --compile             torch.compile every block", ("off", "blocks"), ["--compile"]),
     ("  --compile {off,blocks,model}  compile mode", ("off", "blocks", "model"), ["--compile", "blocks"]),
     ("  --compile COMPILE     compile mode", ("off", "blocks", "model"), ["--compile", "blocks"]),
+    ("  [--compile [{off,blocks,model}]]", ("off", "blocks", "model"), ["--compile", "blocks"]),
 ])
 def test_the_compile_mode_follows_what_routing_offers(monkeypatch, help_line, modes, argv):
     def fake_main(args):
@@ -129,22 +154,48 @@ def test_the_compile_mode_follows_what_routing_offers(monkeypatch, help_line, mo
         raise SystemExit(0)
 
     monkeypatch.setattr(gpu_speed.routing, "main", fake_main)
-    gpu_speed.routing_compile_modes.cache_clear()
+    gpu_speed._routing_help.cache_clear()
     try:
         assert gpu_speed.routing_compile_modes()[0] == modes
         assert gpu_speed.routing_compile_argv("blocks") == argv
         assert gpu_speed.routing_compile_argv("off") == ([] if argv == ["--compile"] else ["--compile", "off"])
         assert gpu_speed.best_compile_mode() == modes[-1]
     finally:
-        gpu_speed.routing_compile_modes.cache_clear()
+        gpu_speed._routing_help.cache_clear()
+
+
+def test_a_scan_family_that_does_not_compile_is_measured_a_lesser_way(monkeypatch):
+    asked = []
+
+    def fake_main(argv):
+        if argv == ["--help"]:
+            print("  [--compile [{off,blocks,model}]]\n  --cuda-graphs")
+            raise SystemExit(0)
+        mode = argv[argv.index("--compile") + 1]
+        asked.append(mode)
+        if mode != "off":
+            raise RuntimeError(f"{mode}: graph break in the scan\nmore")
+        return [{"preset": "S", "ms_routed": 1.0}]
+
+    monkeypatch.setattr(gpu_speed.routing, "main", fake_main)
+    gpu_speed._routing_help.cache_clear()
+    try:
+        row = gpu_speed.step_row("mamba", "S", "rows", 2, 4, 8, "cpu", False, "model", 1, 0, cuda_graphs=True, fall_back=True)
+        assert asked == ["model", "blocks", "off"] and row["compile"] == "off" and not row["cuda_graphs"]
+        assert row["note"] == ("compile=model with CUDA graphs failed (RuntimeError: model: graph break in the scan); "
+                               "compile=blocks failed (RuntimeError: blocks: graph break in the scan); measured with compile=off")
+        with pytest.raises(RuntimeError, match="graph break"):  # DiT rows do not fall back: a failure is the row's error
+            gpu_speed.step_row("dit", "S", "random", 2, 4, 8, "cpu", False, "blocks", 1, 0)
+    finally:
+        gpu_speed._routing_help.cache_clear()
 
 
 def test_todays_routing_and_trainer_compile_flags():
-    gpu_speed.routing_compile_modes.cache_clear()
+    gpu_speed._routing_help.cache_clear()
     modes, _ = gpu_speed.routing_compile_modes()
     assert "blocks" in modes  # the real train.bench.routing offers per-block compile, in one form or the other
-    assert gpu_speed.trainer_compile_override("blocks") in ("trainer.compile=true", "trainer.compile=blocks")
-    assert gpu_speed.trainer_compile_override("off") in ("trainer.compile=false", "trainer.compile=off")
+    assert gpu_speed.trainer_compile_overrides("blocks") in (["trainer.compile=true"], ["trainer.compile=blocks"])
+    assert gpu_speed.trainer_compile_overrides("off") in (["trainer.compile=false"], ["trainer.compile=off"])
 
 
 @pytest.mark.parametrize("argv, says", [

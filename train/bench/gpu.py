@@ -1,14 +1,16 @@
 """The whole GPU check in one command: correctness first, then every speed row of docs/performance.md.
 
-    python -m train.bench.gpu --out docs/gpu/h100-2026-11-26         # about 6 minutes on one H100
+    python -m train.bench.gpu --out docs/gpu/h100-2026-11-26         # about 6 minutes on one H100 (a guess)
+    python -m train.bench.gpu --sections kernels families --out /tmp/gpu   # correctness only
     python -m train.bench.gpu --dry-run --out /tmp/gpu-dry            # every section at tiny shapes on the CPU
 
 Sections run in order of importance, each started only if its estimated time still fits the budget (--budget-s);
-one that does not fit is skipped with a line saying so, and one still running well past the budget (1.25x) is
-stopped there. A failed check or a section that raises is a line of the report, and the run goes on. It writes
-report.md and report.json into --out: device, versions, commit, every check and row, what was skipped, and the
-issue goals the rows decide. On a machine without a GPU the dry run takes the kernels through Triton's
-interpreter (TRITON_INTERPRET=1, set here before any kernel is imported).
+one that does not fit is skipped with a line saying so, and one that runs far past its estimate or the budget is
+stopped (train/bench/gpu_budget.py). A failed check or a section that raises is a line of the report, and the
+run goes on. It writes report.md and report.json into --out: device, versions, commit, every check and row, what
+was skipped, and the issue goals the rows decide. The training steps are train.bench.routing's own rows, in the
+compile mode given (default: the best it offers). On a machine without a GPU the dry run takes the kernels
+through Triton's interpreter (TRITON_INTERPRET=1, set here before triton is imported).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Settings:
     compile: str
     repeats: int
     warmup: int
+    cuda_graphs: bool = False
     bf16: bool = True
     steps: dict = field(default_factory=dict)  # (backbone, preset, policy, batch, channels) -> measured row
 
@@ -72,14 +75,19 @@ def kernel_speed(s: Settings) -> dict:
     from train.bench.gpu_speed import kernel_rows
 
     scan, wkv = ((1, 4, 8, 4), (1, 8, 4)) if s.dry_run else ((64, 768, 256, 16), (64, 256, 384))
-    return {"status": "measured", "records": kernel_rows(_kernel_device(s), scan, wkv, *_repeats(s, 20, 5))}
+    rows = kernel_rows(_kernel_device(s), scan, wkv, *_repeats(s, 20, 5))
+    for row in rows if s.dry_run else []:
+        row["goal_met"] = None  # tiny shapes decide no goal
+    broken = [r for r in rows if "error" in r]
+    return {"status": "error" if len(broken) == len(rows) else "measured", "records": rows,
+            "note": f"{len(broken)} of {len(rows)} rows failed" if broken else ""}
 
 
 def step(s: Settings, backbone: str, preset: str, policy: str, batch: int, channels: int = 4) -> dict:
     from train.bench.gpu_speed import step_row
 
     row = step_row(backbone, s.preset(preset), policy, s.batch(batch), channels, s.size, str(_device(s)), s.bf16, s.compile,
-                   *_repeats(s, s.repeats, s.warmup), fall_back_eager=backbone in ("rwkv", "mamba"))
+                   *_repeats(s, s.repeats, s.warmup), cuda_graphs=s.cuda_graphs, fall_back=backbone in ("rwkv", "mamba"))
     s.steps[backbone, preset, policy, batch, channels] = row
     return {"status": "measured", "records": [row], "note": row["note"]}
 
@@ -90,7 +98,7 @@ def trainer(s: Settings, remaining: float) -> dict:
 
     batch = s.batch(128)
     row = trainer_row(s.preset("B"), batch, s.size, 6 if s.dry_run else 60, 2 if s.dry_run else 10, s.bf16, s.compile,
-                      s.dry_run, timeout_s=max(remaining, 1.0))
+                      s.cuda_graphs, s.dry_run, timeout_s=max(remaining, 1.0))
     bare = s.steps.get(("dit", "B", "random", 128, 3))
     note = "bare step from the DiT-B/2 TREAD row"
     if bare is None:
@@ -104,18 +112,18 @@ def sections(s: Settings) -> list[Section]:
     """Every section in order of importance, with a guess of its time on one H100 (not yet measured there: the
     report records each section's real time, to correct these)."""
     return [
-        Section("kernels", "Triton kernels against their references", "kernel_checks", 20, partial(kernel_checks, s)),
+        Section("kernels", "Triton kernels against their references", "kernel_checks", 30, partial(kernel_checks, s)),
         Section("families", "every family on the device against the CPU", "family_checks", 30, partial(family_checks, s)),
-        Section("kernel-speed", "kernels at their reference shapes", "kernel_speed", 30, partial(kernel_speed, s)),
-        Section("rwkv-S", "RWKV-S/2, rows, batch 64", "steps", 75, partial(step, s, "rwkv", "S", "rows", 64)),
-        Section("mamba-S", "Mamba-S/2, rows, batch 64", "steps", 75, partial(step, s, "mamba", "S", "rows", 64)),
+        Section("kernel-speed", "kernels at their reference shapes", "kernel_speed", 40, partial(kernel_speed, s)),
+        Section("rwkv-S", "RWKV-S/2, rows, batch 64", "steps", 60, partial(step, s, "rwkv", "S", "rows", 64)),
+        Section("mamba-S", "Mamba-S/2, rows, batch 64", "steps", 60, partial(step, s, "mamba", "S", "rows", 64)),
         Section("dit-S", "DiT-S/2, TREAD, batch 64 (the scan families' MFU reference)", "steps", 30, partial(step, s, "dit", "S", "random", 64)),
-        Section("dit-XL-tread", "DiT-XL/2, TREAD, batch 64", "steps", 60, partial(step, s, "dit", "XL", "random", 64)),
-        Section("dit-XL-sprint", "DiT-XL/2, SPRINT, batch 64", "steps", 60, partial(step, s, "dit", "XL", "sprint", 64)),
-        Section("dit-B-tread", "DiT-B/2, TREAD, batch 128, 32x32x3", "steps", 40, partial(step, s, "dit", "B", "random", 128, 3)),
+        Section("dit-XL-tread", "DiT-XL/2, TREAD, batch 64", "steps", 50, partial(step, s, "dit", "XL", "random", 64)),
+        Section("dit-XL-sprint", "DiT-XL/2, SPRINT, batch 64", "steps", 50, partial(step, s, "dit", "XL", "sprint", 64)),
+        Section("dit-B-tread", "DiT-B/2, TREAD, batch 128, 32x32x3", "steps", 30, partial(step, s, "dit", "B", "random", 128, 3)),
         Section("trainer", "python -m train against the bare step (DiT-B/2, batch 128)", "trainer", 60, partial(trainer, s),
                 needs_remaining=True),
-        Section("dit-B-sprint", "DiT-B/2, SPRINT, batch 128, 32x32x3", "steps", 40, partial(step, s, "dit", "B", "sprint", 128, 3)),
+        Section("dit-B-sprint", "DiT-B/2, SPRINT, batch 128, 32x32x3", "steps", 30, partial(step, s, "dit", "B", "sprint", 128, 3)),
     ]
 
 
@@ -136,10 +144,13 @@ def _device(s: Settings):
 
 
 def _kernel_device(s: Settings):
-    """The kernels run on a GPU when there is one (compiled Triton takes only CUDA tensors), else interpreted."""
+    """The checked GPU; in a dry run a GPU when there is one and the kernels are compiled (compiled Triton takes only
+    CUDA tensors), else the CPU through the interpreter."""
     import torch
 
-    return torch.device("cuda") if torch.cuda.is_available() and (not s.dry_run or not _interpreted()) else torch.device("cpu")
+    if not s.dry_run:
+        return _device(s)
+    return torch.device("cuda") if torch.cuda.is_available() and not _interpreted() else torch.device("cpu")
 
 
 def _interpreted() -> bool:
@@ -158,6 +169,9 @@ def parse(argv: list[str] | None):
     p.add_argument("--device", type=device_type, default=None, help="the GPU to check (default cuda; the dry run uses the CPU)")
     p.add_argument("--compile", choices=("off", "blocks", "model"), default=None,
                    help="compile mode of the training steps (default: the best that train.bench.routing offers)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="capture the compiled steps in CUDA graphs (with --compile model; train.bench.routing --cuda-graphs, "
+                        "trainer.cuda_graphs=true)")
     p.add_argument("--repeats", type=bounded(int, 1, 1000, example="--repeats 10"), default=10, help="timed steps per row")
     p.add_argument("--warmup", type=bounded(int, 0, 100, example="--warmup 3"), default=3, help="untimed steps per row")
     p.add_argument("--sections", nargs="+", choices=SECTION_NAMES, default=None, metavar="NAME",
@@ -174,15 +188,19 @@ def parse(argv: list[str] | None):
         args.device = "cuda"
     elif not args.device.startswith("cuda"):
         p.error(f"--device {args.device} is not a GPU; the full check needs one (--dry-run checks the command on the CPU)")
-    from train.bench.gpu_speed import best_compile_mode, routing_compile_modes
+    from train.bench.gpu_speed import best_compile_mode, routing_compile_modes, routing_offers_cuda_graphs
 
-    if args.dry_run:
-        args.compile = "off"  # compiling on a CPU takes minutes per graph; the dry run checks the command, not speed
+    if args.dry_run:  # compiling on a CPU takes minutes per graph; the dry run checks the command, not speed
+        args.compile, args.cuda_graphs = "off", False
     elif args.compile is None:
         args.compile = best_compile_mode()
     elif args.compile not in routing_compile_modes()[0]:
         p.error(f"--compile {args.compile} is not offered by train.bench.routing in this version "
                 f"(it offers {', '.join(routing_compile_modes()[0])})")
+    if args.cuda_graphs and not routing_offers_cuda_graphs():
+        p.error("--cuda-graphs is not offered by train.bench.routing in this version; drop it")
+    if args.cuda_graphs and args.compile != "model":
+        p.error(f"--cuda-graphs captures the whole compiled step; use it with --compile model (not {args.compile})")
     return args
 
 
@@ -193,18 +211,18 @@ def main(argv: list[str] | None = None) -> dict:
     from train.bench import gpu_report
     from train.bench.timing import now
 
-    s = Settings(args.device, args.dry_run, args.compile, args.repeats, args.warmup)
+    s = Settings(args.device, args.dry_run, args.compile, args.repeats, args.warmup, args.cuda_graphs)
     if s.dry_run:
         torch.set_num_threads(1)  # tiny shapes gain nothing from threads, and lose much on a busy machine
     chosen = [x for x in sections(s) if args.sections is None or x.name in args.sections]
     env = gpu_report.environment(torch.device(args.device))
-    print(f"GPU check on {env['device']}, torch {env['torch']}, Triton {env['triton']}, commit {env['commit']}; "
-          f"compile={s.compile}, budget {args.budget_s:.0f} s{', dry run' if s.dry_run else ''}", flush=True)
+    print(f"GPU check on {env['device']}, torch {env['torch']}, Triton {env['triton']}, commit {env['commit']}; compile={s.compile}"
+          f"{' with CUDA graphs' if s.cuda_graphs else ''}, budget {args.budget_s:.0f} s{', dry run' if s.dry_run else ''}", flush=True)
     began = time.monotonic()
     results = run_sections(chosen, args.budget_s, dry_run=s.dry_run)
     report = {"command": "python -m train.bench.gpu " + " ".join(sys.argv[1:] if argv is None else argv), "date": now(),
-              "dry_run": s.dry_run, "environment": env, "bf16": s.bf16, "compile": s.compile, "budget_s": args.budget_s,
-              "seconds": time.monotonic() - began, "sections": results}
+              "dry_run": s.dry_run, "environment": env, "bf16": s.bf16, "compile": s.compile, "cuda_graphs": s.cuda_graphs,
+              "budget_s": args.budget_s, "seconds": time.monotonic() - began, "sections": results}
     report["goals"] = gpu_report.goals(results, s.dry_run)
     md, js = gpu_report.write(args.out, report)
     print(f"wrote {md} and {js}", flush=True)

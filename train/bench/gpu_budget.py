@@ -1,9 +1,10 @@
 """Running the GPU check's sections inside a time budget, in order, with a progress line for each.
 
 A section starts only if its estimated time fits what is left of the budget; otherwise it is skipped with a line
-saying so (a shorter one later may still fit). A section still running at STOP_AFTER x the budget is stopped
-there (SIGALRM, in the main thread), so the report is always written. An exception in a section is recorded as
-one line, never a traceback, and the next section runs.
+saying so (a shorter one later may still fit). A section still running at SECTION_STOP x its estimate (a compile
+that hangs) or at STOP_AFTER x the whole budget is stopped there (SIGALRM, in the main thread), so the sections
+after it keep their time and the report is always written. An exception in a section is recorded as one line,
+never a traceback, and the next section runs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 STOP_AFTER = 1.25  # a section running past 1.25 x the budget is stopped
+SECTION_STOP = 3.0  # ... and one running past 3 x its own estimate (not in a dry run, whose estimates are nominal)
 DRY_RUN_ESTIMATE = 1.0  # seconds assumed for any section of the dry run (tiny shapes)
 
 
@@ -72,13 +74,16 @@ def run_sections(sections: list[Section], budget_s: float, dry_run: bool = False
             continue
         log(f"[{elapsed:5.0f} s] {section.name}: {section.title} (about {estimate:.0f} s)")
         tic = clock()
+        overall = STOP_AFTER * budget_s - elapsed
+        limit = overall if dry_run else min(overall, SECTION_STOP * estimate)
         try:
-            with hard_stop(STOP_AFTER * budget_s - elapsed):
+            with hard_stop(limit):
                 out = section.run(left) if section.needs_remaining else section.run()
             result.update(status=out["status"], records=[{"section": section.name, **r} for r in out["records"]],
                           note=out.get("note", ""))
         except OverBudget:
-            result.update(status="stopped", note=f"still running at {STOP_AFTER} x the budget, stopped")
+            why = f"{STOP_AFTER} x the budget" if limit == overall else f"{SECTION_STOP:.0f} x its estimate"
+            result.update(status="stopped", note=f"still running after {limit:.0f} s ({why}), stopped")
         except Exception as err:  # noqa: BLE001 - the report says what failed, and the check goes on
             lines = str(err).strip().splitlines() or [""]
             result.update(status="error", note=f"{type(err).__name__}: {lines[0][:300]}")

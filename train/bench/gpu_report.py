@@ -48,7 +48,7 @@ def _commit() -> str | None:
 def goals(sections: list[dict], dry_run: bool) -> list[dict]:
     """The issue goals the rows decide (36: the scans; 37: the step and the trainer), read by section name. Each is
     met, missed, or not measured (None); a dry run's tiny shapes decide none of them."""
-    measured = [r for s in sections if s["status"] == "measured" for r in s["records"]]
+    measured = [r for s in sections if s["status"] == "measured" for r in s["records"] if "error" not in r]
     rows = {r["section"]: r for r in measured}  # one row per section, except the kernels'
     kernels = {(r["kernel"], r["precision"]): r for r in measured if "ms_fwd_bwd" in r}
 
@@ -109,7 +109,8 @@ def _f(value, fmt: str = ".2f", suffix: str = "") -> str:
 def _goal(row: dict) -> str:
     if row["goal_ms"] is None:
         return "-"
-    return f"{'met' if row['goal_met'] else 'missed'} (<= {row['goal_ms']} ms)"
+    verdict = "not decided" if row["goal_met"] is None else ("met" if row["goal_met"] else "**missed**")
+    return f"{verdict} (<= {row['goal_ms']} ms)"
 
 
 def _verdict(passed: bool) -> str:
@@ -128,7 +129,7 @@ TABLES = {
     "steps": ("| row | model | recipe | batch | compile | ms unrouted | ms routed | ideal speedup | measured | efficiency | "
               "MFU unrouted | MFU routed | compile s (graphs) |",
               lambda r: f"| {r['section']} | {r['backbone']}-{r['preset']}/2 ({r['tokens']} tokens, {r['channels']} ch) | {r['policy']} {r['route']} | "
-                        f"{r['batch']} | {r['compile']} | {r['ms_unrouted']:.1f} | {r['ms_routed']:.1f} | {r['ideal']:.2f}x | "
+                        f"{r['batch']} | {r['compile']}{' +graphs' if r['cuda_graphs'] else ''} | {r['ms_unrouted']:.1f} | {r['ms_routed']:.1f} | {r['ideal']:.2f}x | "
                         f"{r['measured']:.2f}x | {r['efficiency']:.2f} | {_f(r['mfu_unrouted'], '.1%')} | "
                         f"{_f(r['mfu_routed'], '.1%')} | {_f(r['compile_s'], '.0f')} ({_f(r['graphs'], 'd')}) |"),
     "kernel_speed": ("| kernel | precision | shape | Triton fwd ms | Triton fwd+bwd ms | PyTorch op fwd+bwd ms | speedup | "
@@ -148,7 +149,7 @@ def markdown(report: dict) -> str:
     lines = [f"# GPU check: {env['device']}{' (dry run: tiny shapes on the CPU)' if report['dry_run'] else ''}", "",
              f"`{report['command']}`, {report['date']}", "",
              f"- torch {env['torch']} (CUDA {env['cuda']}), Triton {env['triton']}, Python {env['python']}, commit {env['commit']}",
-             f"- bf16 autocast: {report['bf16']}; compile mode: {report['compile']}; budget {report['budget_s']:.0f} s, "
+             f"- bf16 autocast: {report['bf16']}; compile mode: {report['compile']}{' with CUDA graphs' if report['cuda_graphs'] else ''}; budget {report['budget_s']:.0f} s, "
              f"used {report['seconds']:.0f} s", "", "## Sections", ""]
     for s in sections:
         lines.append(f"- {s['title']}: **{s['status']}**" + (f" in {s['seconds']:.0f} s" if s["seconds"] is not None else "")
@@ -164,7 +165,13 @@ def markdown(report: dict) -> str:
         if not records:
             continue
         header, fmt = TABLES[kind]
-        lines += ["", f"## {heading}", "", header, "|---" * (header.count("|") - 1) + "|", *(fmt(r) for r in records)]
-        notes = [f"- {r['section']}: {r['note']}" for r in records if r.get("note")]
-        lines += [""] + notes if notes else []
+        good = [r for r in records if "error" not in r]
+        lines += ["", f"## {heading}", ""]
+        lines += [header, "|---" * (header.count("|") - 1) + "|", *(fmt(r) for r in good), ""] if good else []
+        # A row that could not be measured: what it was, and the error in one line.
+        lines += [f"- {' '.join(str(v) for k, v in r.items() if k not in ('error', 'passed', 'section'))}: **{r['error']}**"
+                  for r in records if "error" in r]
+        lines += [f"- {r['section']}: {r['note']}" for r in good if r.get("note")]
+        if lines[-1] == "":
+            lines.pop()
     return "\n".join(lines) + "\n"

@@ -30,13 +30,17 @@ SWITCH = ("off", "blocks")  # what a store_true `--compile` (one per-block compi
 
 
 @functools.cache
-def routing_compile_modes() -> tuple[tuple[str, ...], bool]:
-    """(modes, takes_value): the compile modes train.bench.routing accepts, read from its --help, and whether
-    `--compile` takes the mode as its value (else it is today's per-block switch)."""
+def _routing_help() -> str:
     text = io.StringIO()
     with contextlib.redirect_stdout(text), contextlib.suppress(SystemExit):
         routing.main(["--help"])
-    line = re.search(r"--compile(?: \[?(\{[^}]*\}|[A-Z_]+))?", text.getvalue())
+    return text.getvalue()
+
+
+def routing_compile_modes() -> tuple[tuple[str, ...], bool]:
+    """(modes, takes_value): the compile modes train.bench.routing accepts, read from its --help, and whether
+    `--compile` takes the mode as its value (else it is the older per-block switch)."""
+    line = re.search(r"--compile(?: \[?(\{[^}]*\}|[A-Z_]+))?", _routing_help())
     if line is None:
         return ("off",), False
     if line.group(1) is None:
@@ -46,62 +50,84 @@ def routing_compile_modes() -> tuple[tuple[str, ...], bool]:
     return ("off", "blocks", "model"), True  # a free-form value (a metavar): the modes issue 37 names
 
 
+def routing_offers_cuda_graphs() -> bool:
+    return "--cuda-graphs" in _routing_help()
+
+
+def trainer_offers_cuda_graphs() -> bool:
+    from train.schema.trainer import TrainerConfig
+
+    return "cuda_graphs" in TrainerConfig.__dataclass_fields__
+
+
 def best_compile_mode() -> str:
     """Whole-model compile where train.bench.routing offers it, else per-block."""
     modes, _ = routing_compile_modes()
     return next(m for m in ("model", "blocks", "off") if m in modes)
 
 
-def routing_compile_argv(mode: str) -> list[str]:
+def routing_compile_argv(mode: str, cuda_graphs: bool = False) -> list[str]:
     """The flags that ask train.bench.routing for `mode`; ValueError when it does not offer that mode."""
     modes, takes_value = routing_compile_modes()
     if mode not in modes:
         raise ValueError(f"train.bench.routing offers compile modes {', '.join(modes)}, not {mode}")
+    if cuda_graphs and not routing_offers_cuda_graphs():
+        raise ValueError("train.bench.routing has no --cuda-graphs in this version")
+    graphs = ["--cuda-graphs"] if cuda_graphs else []
     if takes_value:
-        return ["--compile", mode]
-    return ["--compile"] if mode == "blocks" else []
+        return ["--compile", mode, *graphs]
+    return (["--compile"] if mode == "blocks" else []) + graphs
 
 
-def trainer_compile_override(mode: str) -> str:
-    """`trainer.compile=...` for `mode`: the mode itself once the key takes modes, else true / false."""
+def trainer_compile_overrides(mode: str, cuda_graphs: bool = False) -> list[str]:
+    """`trainer.compile=...` for `mode` (the mode itself once the key takes modes, else true / false), and
+    `trainer.cuda_graphs=true` when asked; ValueError where this version's trainer cannot express them."""
     from train.schema.trainer import TrainerConfig
 
-    default = TrainerConfig.__dataclass_fields__["compile"].default
-    if not isinstance(default, bool):
-        return f"trainer.compile={mode}"
+    if cuda_graphs and not trainer_offers_cuda_graphs():
+        raise ValueError("the trainer has no trainer.cuda_graphs in this version")
+    graphs = ["trainer.cuda_graphs=true"] if cuda_graphs else []
+    if not isinstance(TrainerConfig.__dataclass_fields__["compile"].default, bool):
+        return [f"trainer.compile={mode}", *graphs]
     if mode not in SWITCH:
         raise ValueError(f"trainer.compile is a switch (per-block compile) in this version, so it cannot run compile={mode}")
-    return f"trainer.compile={str(mode == 'blocks').lower()}"
+    return [f"trainer.compile={str(mode == 'blocks').lower()}", *graphs]
 
 
 def step_row(backbone: str, preset: str, policy: str, batch: int, channels: int, size: int, device: str, bf16: bool,
-             compile_mode: str, repeats: int, warmup: int, fall_back_eager: bool = False) -> dict:
+             compile_mode: str, repeats: int, warmup: int, cuda_graphs: bool = False, fall_back: bool = False) -> dict:
     """One row of train.bench.routing (its own measure(): FLOPs, ms, efficiency, MFU), with what was asked.
-    `fall_back_eager`: when the compiled run fails, measure eagerly and say why in `note`."""
+    `fall_back`: when the compiled run fails, try the next lesser mode (model, then blocks, then eager), and say
+    why in `note` ("compiled where they compile")."""
     argv = ["--backbone", backbone, "--presets", preset, "--policy", policy, "--batch", str(batch), "--channels", str(channels),
             "--input-size", str(size), "--patch", "2", "--device", device, "--repeats", str(repeats), "--warmup", str(warmup)]
     argv += ["--bf16"] if bf16 else []
-    note = ""
+    modes = ("model", "blocks", "off")
+    tries = [(compile_mode, cuda_graphs)] + ([(m, False) for m in modes[modes.index(compile_mode) + 1:]] if fall_back else [])
+    notes = []
+    for mode, graphs in tries:
+        try:
+            (row,) = _routing(argv + routing_compile_argv(mode, graphs))
+            break
+        except Exception as err:  # noqa: BLE001 - a family that does not compile is measured a lesser way, with the reason
+            if (mode, graphs) == tries[-1]:
+                raise
+            notes.append(f"compile={mode}{' with CUDA graphs' if graphs else ''} failed ({type(err).__name__}: {first_line(err)})")
+            torch._dynamo.reset()  # the failed attempt's graphs must not be reused by the next one
+    return {**row, "backbone": backbone, "policy": policy, "channels": channels, "bf16": bf16, "compile": mode, "cuda_graphs": graphs,
+            "note": "; ".join(notes + ([f"measured with compile={mode}"] if notes else []))}
+
+
+def _routing(argv: list[str]) -> list[dict]:
+    """train.bench.routing's main; its refusal of an argument (SystemExit, which no section may raise) as an error."""
     try:
-        (row,) = routing.main(argv + routing_compile_argv(compile_mode))
-    except Exception as err:  # noqa: BLE001 - a family that does not compile is measured eagerly, with the reason
-        if not fall_back_eager or compile_mode == "off":
-            raise
-        note = f"compile={compile_mode} failed ({type(err).__name__}: {first_line(err)}); measured eagerly"
-        _reset_compiled()
-        (row,) = routing.main(argv)
-        compile_mode = "off"
-    return {"backbone": backbone, "policy": policy, "channels": channels, "bf16": bf16, "compile": compile_mode,
-            "note": note, **row}
+        return routing.main(argv)
+    except SystemExit as stop:
+        raise RuntimeError(f"train.bench.routing refused its arguments (exit {stop.code}, its message is above): {' '.join(argv)}") from None
 
 
 def first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [""])[0][:300]
-
-
-def _reset_compiled() -> None:
-    """Drop dynamo's caches between rows: guards of earlier models would be checked, and count, in later ones."""
-    torch._dynamo.reset()
 
 
 def scan_ideal_bytes(b: int, d: int, length: int, n: int, element: int) -> tuple[int, int]:
@@ -118,22 +144,32 @@ def kernel_rows(device: torch.device, scan_shape: tuple[int, ...], wkv_shape: tu
     from backbones.ops.cuda_kernels import scan_fn
     from backbones.ops.wkv import bi_wkv
 
-    from train.bench.gpu_checks import scan_inputs, wkv_inputs
+    from train.bench.gpu_checks import guarded, scan_inputs, wkv_inputs
+
+    def scan(precision: str) -> dict:
+        inputs = {k: v for k, v in scan_inputs(b, d, length, n, device, precision).items() if k != "z"}
+        inputs["delta_bias"] = torch.full((d,), -4.0, device=device)  # softplus(-4) ~ 0.018, a typical step
+        return _time_kernel("selective scan", precision, f"b{b} d{d} L{length} N{n}", inputs, 0.6 if precision == "bf16" else None,
+                            lambda backend, **kw: scan_fn(**kw, delta_softplus=True, backend=backend),
+                            scan_ideal_bytes(b, d, length, n, _bytes(precision)), repeats, warmup, device)
+
+    def wkv(precision: str) -> dict:
+        return _time_kernel("Bi-WKV", precision, f"B{B} T{T} C{C}", wkv_inputs(B, T, C, device, precision),
+                            0.4 if precision == "bf16" else None, lambda backend, **kw: bi_wkv(**kw, backend=backend),
+                            wkv_ideal_bytes(B, T, C, _bytes(precision)), repeats, warmup, device)
 
     rows = []
     b, d, length, n = scan_shape
     B, T, C = wkv_shape
     for precision in ("bf16", "fp32"):
-        element = 2 if precision == "bf16" else 4
-        scan = {k: v for k, v in scan_inputs(b, d, length, n, device, precision).items() if k != "z"}
-        scan["delta_bias"] = torch.full((d,), -4.0, device=device)  # softplus(-4) ~ 0.018, a typical step
-        rows.append(_time_kernel("selective scan", precision, f"b{b} d{d} L{length} N{n}", scan, 0.6 if precision == "bf16" else None,
-                                 lambda backend, **kw: scan_fn(**kw, delta_softplus=True, backend=backend),
-                                 scan_ideal_bytes(b, d, length, n, element), repeats, warmup, device))
-        rows.append(_time_kernel("Bi-WKV", precision, f"B{B} T{T} C{C}", wkv_inputs(B, T, C, device, precision),
-                                 0.4 if precision == "bf16" else None, lambda backend, **kw: bi_wkv(**kw, backend=backend),
-                                 wkv_ideal_bytes(B, T, C, element), repeats, warmup, device))
+        rows.append(guarded({"kernel": "selective scan", "precision": precision, "shape": f"b{b} d{d} L{length} N{n}"},
+                            lambda: scan(precision)))
+        rows.append(guarded({"kernel": "Bi-WKV", "precision": precision, "shape": f"B{B} T{T} C{C}"}, lambda: wkv(precision)))
     return rows
+
+
+def _bytes(precision: str) -> int:
+    return 2 if precision == "bf16" else 4
 
 
 def _time_kernel(kernel, precision, shape, inputs, goal_ms, op, ideal, repeats, warmup, device) -> dict:
@@ -161,22 +197,28 @@ def _time_kernel(kernel, precision, shape, inputs, goal_ms, op, ideal, repeats, 
             "goal_met": None if goal_ms is None else ms["triton", "fwd+bwd"] <= goal_ms}
 
 
-def trainer_row(preset: str, batch: int, size: int, steps: int, log_every: int, bf16: bool, compile_mode: str, dry_run: bool,
-                timeout_s: float) -> dict:
+def trainer_row(preset: str, batch: int, size: int, steps: int, log_every: int, bf16: bool, compile_mode: str, cuda_graphs: bool,
+                dry_run: bool, timeout_s: float) -> dict:
     """`python -m train` (a fresh process, as a user runs it) on shapes with TREAD's random routing: images/s over
     the logged steps after the first logged one (which holds compilation and warm-up), from the log's wall time."""
     with tempfile.TemporaryDirectory(prefix="gpu_check_train_") as tmp:
         argv = [f"backbone.preset={preset}", "backbone.patch_size=2", "data=shapes", f"data.resolution={size}", "routing=random",
                 f"trainer.batch_size={batch}", f"trainer.max_steps={steps}", f"trainer.log_every={log_every}",
                 "trainer.sample_every=0", "trainer.ckpt_every=0", "trainer.log_with=none",
-                f"trainer.mixed_precision={'bf16' if bf16 else 'no'}", trainer_compile_override(compile_mode), f"run_dir={tmp}/run"]
+                f"trainer.mixed_precision={'bf16' if bf16 else 'no'}", *trainer_compile_overrides(compile_mode, cuda_graphs),
+                f"run_dir={tmp}/run"]
         argv += ["trainer.cpu=true", "data.num_images=64"] if dry_run else []
         env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if dry_run else {})}
-        done = subprocess.run([sys.executable, "-m", "train", *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
-                              env=env)
+        try:
+            done = subprocess.run([sys.executable, "-m", "train", *argv], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=timeout_s, env=env)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"python -m train did not finish its {steps} steps in the {timeout_s:.0f} s left") from None
         if done.returncode:
-            lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
-            raise RuntimeError(f"python -m train exited with {done.returncode}: {lines[-1] if lines else 'no output'}")
+            # The line that names the failure: a refusal ("error: ...") or an exception, not Hydra's closing hint.
+            lines = [line.strip() for line in (done.stdout + done.stderr).splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
+            named = [line for line in lines if re.search(r"^error:|Error\b|Exception\b", line)]
+            raise RuntimeError(f"python -m train exited with {done.returncode}: {(named or lines or ['no output'])[-1]}")
         from train.files.metrics_log import read_metrics
 
         records = [json.loads(line) for line, _ in read_metrics(Path(tmp) / "run" / "metrics.jsonl")]
@@ -186,4 +228,4 @@ def trainer_row(preset: str, batch: int, size: int, steps: int, log_every: int, 
     first, last = timed[0], timed[-1]
     rate = batch * (last["step"] - first["step"]) / (last["seconds"] - first["seconds"])
     return {"command": "python -m train " + " ".join(a for a in argv if not a.startswith("run_dir=")), "steps_timed": last["step"] - first["step"],
-            "trainer_images_per_s": rate, "compile": compile_mode}
+            "trainer_images_per_s": rate, "compile": compile_mode, "cuda_graphs": cuda_graphs}
