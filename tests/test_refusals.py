@@ -261,6 +261,9 @@ CASES = [
     # A boolean given as text, on the command line or in a YAML file (OmegaConf converted it in silence).
     T("cpu_quoted_true", ["trainer.cpu='\"true\"'"], names="trainer.cpu"),
     T("yaml_quoted_true", ["hydra.searchpath=[file://{box}/cfg]", "+experiment=quoted_bool"], names="quoted_bool.yaml"),
+    # Hydra's own flags skip the early checks (precompose): the job checks the files Hydra loaded.
+    T("yaml_quoted_true_config_dir", ["+experiment=quoted_bool"], names="quoted_bool.yaml", base=["--config-dir={box}/cfg", *RUN],
+      hydra=True),
     T("yaml_word_no", ["hydra.searchpath=[file://{box}/cfg]", "+experiment=word_bool"], names="trainer.ema_warmup", slow=True),
     T("resume_another_seed", ["seed=1"], names="seed", slow=True),
     # A damaged or hand-edited run.

@@ -12,15 +12,24 @@ from train.cli import CONFIGS, friendly_errors, precompose
 @hydra.main(config_path=str(CONFIGS), config_name="config", version_base="1.3")
 @friendly_errors
 def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
     from train.rundir import HydraRecord
+    from train.schema.yaml_bools import check_yaml_booleans
     from train.trainer import Trainer
+
+    # Hydra's own flags (--config-dir, -cn, ...) skip precompose: a YAML file's quoted "true" is caught here, as Hydra
+    # loaded it (the search path and overrides of this job).
+    job = HydraConfig.get()
+    check_yaml_booleans(job.job.config_name, list(job.overrides.task), cfg)
+    refuse_steps_behind(cfg)
 
     # Hydra writes nothing before the job (configs/config.yaml); the trainer writes its record once checks passed.
     Trainer(cfg, record=HydraRecord.current(cfg)).fit()
 
 
 def refuse_steps_behind(cfg: DictConfig) -> None:
-    """Refuse to resume a checkpoint that is already past trainer.max_steps.
+    """Refuse to resume a checkpoint that is already past trainer.max_steps (in the job, before the trainer writes).
 
     The loop would not run a step, so the command would end in silence while a script reads exit code 0 as "trained
     to max_steps"; it cannot honour the number (steps are never undone), so it is refused with exit code 2 and the
@@ -30,7 +39,6 @@ def refuse_steps_behind(cfg: DictConfig) -> None:
 
     from routing import ConfigError
     from train.checkpoint import latest_checkpoint
-    from train.cli import refuse
     from train.files import read_state
 
     resume = cfg.get("resume")
@@ -43,16 +51,14 @@ def refuse_steps_behind(cfg: DictConfig) -> None:
     except Exception:  # noqa: BLE001 -- the trainer refuses a damaged checkpoint in its own sentence
         return
     if step is not None and step > cfg.trainer.max_steps:
-        refuse(ConfigError(f"trainer.max_steps={cfg.trainer.max_steps} but checkpoint '{path}' is already at step {step}, past it; "
-                           f"raise trainer.max_steps above {step} to train on, or sample that checkpoint with "
-                           f"`python -m train.sample {path}`."))
+        raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps} but checkpoint '{path}' is already at step {step}, past it; "
+                          f"raise trainer.max_steps above {step} to train on, or sample that checkpoint with "
+                          f"`python -m train.sample {path}`.")
 
 
 def cli(argv: list[str]) -> None:
     """What `python -m train ARGS` runs (tests call it in-process)."""
-    cfg = precompose("config", argv)  # a bad key, type or range: one sentence, exit 2, before any folder exists
-    if cfg is not None:
-        refuse_steps_behind(cfg)
+    precompose("config", argv)  # a bad key, type or range: one sentence, exit 2, before any folder exists
     sys.argv = [sys.argv[0], *argv]  # Hydra reads its command line from sys.argv
     main()
 

@@ -58,5 +58,5 @@ def check_yaml_booleans(config_name: str, overrides: list[str], cfg: Any = None)
             found = schema_for(path, cfg)
             if found is not None and _base_type(found[0]) is bool:
                 where = result.path.removeprefix("file://") + "/" + default.config_path + ".yaml"
-                raise ConfigError(f"{path}: {value!r} in {where} is a string, not a boolean (YAML reads quoted text and words "
-                                  f"like yes/no as strings); write {path.rsplit('.', 1)[-1]}: true or false, without quotes.")
+                raise ConfigError(f"{path}: {value!r} in {where} is quoted text, not a boolean (OmegaConf would convert it in "
+                                  f"silence); write {path.rsplit('.', 1)[-1]}: true or {path.rsplit('.', 1)[-1]}: false, without quotes.")
