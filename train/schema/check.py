@@ -19,6 +19,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from routing.errors import ConfigError
+from train.schema.align import check_align
 from train.schema.backbone import KWARG_CHOICES, KWARG_RANGES
 from train.schema.config import Config
 from train.schema.data import DATA
@@ -249,6 +250,7 @@ def check_config(cfg: Any) -> None:
     _check_resume(typed.resume)
     _check_backbone(typed.backbone)
     _check_routing(typed.routing)
+    check_align(typed)
     _check_finetune(typed)
     fid = typed.fid
     if fid.every and typed.data is not None and typed.data.name == "videos":

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from train.schema.align import AlignConfig
 from train.schema.backbone import BackboneConfig
 from train.schema.edm import EDMConfig
 from train.schema.fid import FIDConfig
@@ -32,3 +33,4 @@ class Config:
     trainer: TrainerConfig = group(TrainerConfig, "optimisation, intervals, checkpoints")
     sample: SampleConfig = group(SampleConfig, "training-time preview grids")
     fid: FIDConfig = group(FIDConfig, "periodic FID during training")
+    align: AlignConfig = group(AlignConfig, "representation alignment beside the diffusion loss (docs/alignment.md)")

@@ -1,0 +1,156 @@
+"""Representation alignment beside the diffusion loss: REPA (a frozen encoder's patch features) or
+self-alignment (a later block of the model itself, SRA / LayerSync), on every family and every route.
+
+- REPA (Yu et al. 2025): lambda * mean over tokens of -cos(projector(h_l(x_t)), the encoder's patch feature of the
+  clean image at that token); the projector is three linear layers with SiLU (width 2048 in REPA), lambda 0.5.
+- self, teacher=ema (SRA, Jiang et al. 2025): the teacher is the EMA model's block-T state at a lower noise level
+  (flow time t - gap * u, u ~ U[0, 1), gap 0.2 in SRA), run without gradient and with every token; SRA's loss is a
+  smooth L1 (beta 0.05) between projector(h_l) and that state.
+- self, teacher=online (LayerSync): block T of this same forward, detached (no gradient reaches the teacher).
+
+`Alignment` holds the projector only, so it is saved with the run beside the model and never enters the model's
+own weights, its EMA or an export. The hidden states come from `HiddenCapture` hooks (backbones/capture.py), so
+the student is read from the forward the diffusion loss already runs. See docs/alignment.md for the trainer's calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backbones.capture import EnoughCaptured, HiddenCapture, check_layers
+from routing.errors import ConfigError
+
+MODES = ("repa", "self")
+TEACHERS = ("ema", "online")
+DEFAULT_LOSS = {"repa": "cosine", "self": "smooth_l1"}
+EDM_SIGMA_MIN = 0.002  # EDM's smallest noise level: the teacher's sigma never reaches 0 (ln 0 in c_noise)
+
+
+class Projector(nn.Sequential):
+    """Linear(D, W) - SiLU - Linear(W, W) - SiLU - Linear(W, C): hidden state -> target feature space."""
+
+    def __init__(self, hidden_size: int, width: int, out_dim: int):
+        super().__init__(nn.Linear(hidden_size, width), nn.SiLU(), nn.Linear(width, width), nn.SiLU(), nn.Linear(width, out_dim))
+
+
+def gather_tokens(x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """x (B, N, C) at `positions` (B, K) -> (B, K, C); None: all of x."""
+    if positions is None:
+        return x
+    return x.gather(1, positions[:, :, None].expand(-1, -1, x.shape[-1]))  # (B, K) -> (B, K, C)
+
+
+def negative_cosine(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """REPA's loss: the mean over samples and tokens of -cos(pred, target); (B, K, C) each -> scalar."""
+    return -(F.normalize(pred, dim=-1) * F.normalize(target, dim=-1)).sum(-1).mean()
+
+
+def smooth_l1(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """SRA's default loss: smooth L1 with beta 0.05, averaged over every element."""
+    return F.smooth_l1_loss(pred, target, beta=0.05)
+
+
+LOSSES = {"cosine": negative_cosine, "smooth_l1": smooth_l1}
+
+
+def teacher_time(objective: str, t: torch.Tensor, gap: float, u: torch.Tensor) -> torch.Tensor:
+    """SRA's lower noise level for the EMA teacher: flow time t - gap * u, clamped to [0, 1]. EDM's sigma is the same
+    path scaled (z / (1 - t) = x + sigma eps with sigma = t / (1 - t)), so sigma is mapped to t and back."""
+    if objective == "flow":
+        return (t - gap * u).clamp(0.0, 1.0)
+    if objective == "edm":
+        s = t / (1 + t)
+        floor = s.clamp(max=EDM_SIGMA_MIN / (1 + EDM_SIGMA_MIN))  # never above the student's own noise level
+        lower = torch.maximum(s - gap * u, floor)
+        return lower / (1 - lower)
+    raise ValueError(f"no teacher noise level for objective {objective!r}; self-alignment with the EMA teacher knows edm and flow.")
+
+
+class Alignment(nn.Module):
+    """The weighted alignment loss of one micro-batch; its only parameters are the projector's.
+
+    backbone: the online Backbone (its blocks are hooked now); layer, teacher_layer: block indices, negative from
+    the end; target_dim: the encoder's feature width for REPA (the backbone's width for self); targets: for REPA, a
+    callable clean images (B, C, H, W) -> (B, N, C) features on the backbone's token grid, in raster order.
+    """
+
+    def __init__(self, backbone: nn.Module, mode: str, layer: int, *, weight: float = 0.5, width: int = 2048,
+                 target_dim: int | None = None, loss: str | None = None, teacher_layer: int | None = None,
+                 teacher: str = "ema", teacher_gap: float = 0.2, targets: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        super().__init__()
+        if mode not in MODES:
+            raise ConfigError(f"align={mode} is unknown; choose align=none, align=repa or align=self.")
+        if weight < 0:
+            raise ConfigError(f"align.weight={weight} is below 0; lambda weighs a loss that is added, so use align.weight >= 0 (REPA: 0.5).")
+        if mode == "repa" and (targets is None or target_dim is None):
+            raise ValueError("REPA needs its target features: pass targets (the frozen encoder) and target_dim (its width).")
+        if mode == "self" and teacher not in TEACHERS:
+            raise ConfigError(f"align.teacher={teacher!r} is unknown; choose ema or online.")
+        self.mode, self.weight, self.teacher, self.teacher_gap = mode, float(weight), teacher, float(teacher_gap)
+        self.loss_name = loss or DEFAULT_LOSS[mode]
+        self.loss_fn = LOSSES[self.loss_name]
+        routes = backbone.router.routes
+        self.layer, self.teacher_layer = check_layers(routes, backbone.depth, layer, teacher_layer if mode == "self" else None, teacher)
+        self.projector = Projector(backbone.hidden_size, width, target_dim if mode == "repa" else backbone.hidden_size)
+        online = [self.teacher_layer] if mode == "self" and teacher == "online" else []
+        # Plain attributes, not submodules: neither the backbone nor the encoder belongs to this module's weights.
+        self.__dict__["capture"] = HiddenCapture(backbone, [self.layer, *online])
+        self.__dict__["targets"] = targets
+        self.__dict__["_teacher_captures"] = {}
+
+    def forward(self, y: torch.Tensor, labels: torch.Tensor | None = None, t: torch.Tensor | None = None,
+                noise: torch.Tensor | None = None, *, objective=None, ema: nn.Module | None = None,
+                u: torch.Tensor | None = None) -> torch.Tensor:
+        """lambda * loss for the online forward just run (inside objective.loss on the same y, labels, t, noise).
+
+        y: clean batch (B, C, H, W); objective, ema: for the EMA teacher, the objective (its `loss` forms the teacher's
+        noisy input, its `name` the lower noise level) and the EMA's network (objective-wrapped, `.model` the
+        Backbone); u: (B,) uniforms in [0, 1) for the teacher's noise gap (from the step's seeded draws).
+        """
+        if self.layer not in self.capture.hidden:
+            raise RuntimeError("no hidden state was captured: call the alignment after the network's forward on this batch.")
+        student = self.capture.hidden[self.layer]
+        positions = self.capture.positions[self.layer]
+        pred = self.projector(student)  # (B, K, D) -> (B, K, C)
+        target = self._target(y, labels, t, noise, positions, objective, ema, u)
+        self.capture.clear()
+        return self.weight * self.loss_fn(pred.float(), target.float())
+
+    def _target(self, y, labels, t, noise, positions, objective, ema, u) -> torch.Tensor:
+        """(B, K, C) targets at the student's tokens, without gradient."""
+        if self.mode == "repa":
+            with torch.no_grad():
+                return gather_tokens(self.targets(y), positions)
+        if self.teacher == "online":
+            hidden, held = self.capture.hidden[self.teacher_layer].detach(), self.capture.positions[self.teacher_layer]
+            if held is None:
+                return gather_tokens(hidden, positions)
+            if positions is None or not torch.equal(held, positions):
+                raise RuntimeError("the online teacher's block holds other tokens than the student's (check_layers refuses this layout).")
+            return hidden
+        if ema is None or objective is None or t is None or noise is None:
+            raise ValueError("self-alignment with teacher=ema needs t, noise, objective and ema (the EMA's network).")
+        return gather_tokens(self.ema_teacher(ema, objective, y, labels, t, noise, u), positions)
+
+    @torch.no_grad()
+    def ema_teacher(self, ema: nn.Module, objective, y, labels, t, noise, u=None) -> torch.Tensor:
+        """(B, N, D) block-T state of the EMA network at the lower noise level, every token (routes forced to ratio 0:
+        no TREAD route runs, a SPRINT route runs all tokens); the forward stops after block T."""
+        backbone = ema.model
+        capture = self._teacher_captures.get(id(backbone))
+        if capture is None:
+            capture = self._teacher_captures[id(backbone)] = HiddenCapture(backbone, [self.teacher_layer])
+        u = torch.rand(t.shape, device=t.device) if u is None else u.to(t.device)
+        capture.stop_after = self.teacher_layer
+        with backbone.router.forced(0.0):
+            try:
+                objective.loss(ema, y, labels, teacher_time(objective.name, t, self.teacher_gap, u), noise)
+            except EnoughCaptured:
+                pass
+        hidden = capture.hidden[self.teacher_layer]
+        capture.clear()
+        return hidden

@@ -1,0 +1,116 @@
+"""REPA's frozen encoder: a timm model from local files only, clean images -> patch features on the token grid.
+
+REPA aligns a hidden state with a self-supervised encoder's patch features of the clean image (DINOv2-B in the
+paper, at 224 pixels: a 16 x 16 patch grid, SiT-XL/2's token grid at 256 pixels). Here the encoder is named by
+its timm name with a local weights file, or given as a local timm folder (config.json + model.safetensors, whose
+config may carry model_args); nothing is downloaded. Features are computed once per clean batch, without
+gradient, under bf16 autocast, and the patch grid is average-pooled onto the model's token grid, which it must
+cover a whole number of times per side (else the config is refused, naming an input size that fits).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import timm
+import torch
+import torch.nn.functional as F
+from timm.data import resolve_model_data_config
+
+from routing.errors import ConfigError
+
+
+class FrozenEncoder:
+    """encoder(images) -> (B, h*w, C) float32 patch features, raster order on the model's (h, w) token grid.
+
+    Not an nn.Module on purpose: its weights are frozen inputs, never part of the trained or saved state.
+    images: (B, C, H, W) in [-1, 1] (the datasets' pixel space), 1 or 3 channels.
+    """
+
+    def __init__(self, model: torch.nn.Module, input_size: int, token_grid: tuple[int, int], dtype: torch.dtype = torch.bfloat16):
+        self.model = model.eval().requires_grad_(False)
+        self.input_size, self.token_grid, self.dtype = int(input_size), tuple(token_grid), dtype
+        data = resolve_model_data_config(model)
+        self.in_chans = int(data["input_size"][0])
+        self.mean = torch.tensor(data["mean"]).view(1, -1, 1, 1)  # (C,) -> (1, C, 1, 1)
+        self.std = torch.tensor(data["std"]).view(1, -1, 1, 1)
+        self.prefix = int(getattr(model, "num_prefix_tokens", 0))  # class and register tokens before the patches
+        self.dim, self.grid = self._probe()
+
+    @classmethod
+    def load(cls, name: str, weights: str, input_size: int, token_grid: tuple[int, int], device: torch.device | str = "cpu",
+             dtype: torch.dtype = torch.bfloat16) -> FrozenEncoder:
+        """The encoder `name` with the local `weights` (a file, or a timm folder), refusing what cannot be used."""
+        path = Path(str(weights)).expanduser()
+        if not path.exists():
+            raise ConfigError(f"align.weights={str(weights)!r} does not exist; put {name}'s weights there (a .safetensors or .pth state "
+                              "dict, or a timm folder with config.json and model.safetensors), or pass the path where they are.")
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise ConfigError(f"align.weights={str(weights)!r} is a folder without config.json; give a timm folder (config.json + "
+                              "model.safetensors, as timm's save_pretrained writes) or the weights file itself.")
+        source = f"local-dir:{path}" if path.is_dir() else name
+        # A file replaces the registry's weights location (timm then reads only that file: no hub, no url).
+        overlay = None if path.is_dir() else {"file": str(path), "source": "file", "hf_hub_id": None, "url": None}
+        try:
+            model = timm.create_model(source, pretrained=True, pretrained_cfg_overlay=overlay, num_classes=0, img_size=input_size)
+        except TypeError:  # an encoder without an image-size argument (a convolutional one)
+            model = timm.create_model(source, pretrained=True, pretrained_cfg_overlay=overlay, num_classes=0)
+        except RuntimeError as err:
+            what = f"align.encoder={name!r} is not a timm model name" if "Unknown model" in str(err) else \
+                f"align.weights={str(weights)!r} does not hold {name}'s weights ({str(err).splitlines()[0].rstrip('.:')})"
+            raise ConfigError(f"{what}; give a timm name and a weights file of that model (python -c 'import timm; "
+                              "print(timm.list_models(\"*dinov2*\"))' lists names).") from None
+        return cls(model.to(device), input_size, token_grid, dtype)
+
+    def _probe(self) -> tuple[int, tuple[int, int]]:
+        """(feature width, the encoder's patch grid) from one forward of a blank image; refuses a grid that cannot pool."""
+        device = next(self.model.parameters()).device
+        with torch.no_grad():
+            out = self.model.forward_features(torch.zeros(1, self.in_chans, self.input_size, self.input_size, device=device))
+        if out.ndim == 4:  # (1, C, gh, gw): a convolutional map
+            dim, grid = out.shape[1], tuple(out.shape[2:])
+        else:  # (1, prefix + gh * gw, C)
+            dim, n = out.shape[-1], out.shape[1] - self.prefix
+            grid = tuple(getattr(getattr(self.model, "patch_embed", None), "grid_size", ()) or ())
+            if len(grid) != 2 or grid[0] * grid[1] != n:
+                side = math.isqrt(n)
+                grid = (side, side)
+            if grid[0] * grid[1] != n:
+                raise ConfigError(f"align.encoder's {n} patch tokens form no square grid at align.input_size={self.input_size}; "
+                                  "use a ViT-style encoder with a square patch grid.")
+        h, w = self.token_grid
+        if grid[0] % h or grid[1] % w:
+            patch = self.input_size / grid[0]
+            fit = int(round(patch * h)) if round(patch * h) * w == round(patch * w) * h else None
+            hint = f"e.g. align.input_size={fit}" if fit else "a square token grid"
+            raise ConfigError(f"align.input_size={self.input_size} gives the encoder a {grid[0]}x{grid[1]} patch grid, which does not pool "
+                              f"onto the model's {h}x{w} token grid (each side must be a whole multiple); choose an input size whose "
+                              f"patch grid is a multiple of {h}x{w} ({hint}).")
+        return int(dim), (int(grid[0]), int(grid[1]))
+
+    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
+        """[-1, 1] images -> the encoder's input: its channels, input_size pixels (bicubic), its mean and std."""
+        x = images.float()
+        if x.shape[1] != self.in_chans:
+            if x.shape[1] != 1:
+                raise ConfigError(f"align=repa got {x.shape[1]}-channel images, but the encoder takes {self.in_chans} channels; use an "
+                                  "encoder for this data or align=self.")
+            x = x.expand(-1, self.in_chans, -1, -1)  # grey (B, 1, H, W) -> (B, C, H, W)
+        x = (x + 1) / 2
+        if x.shape[-2:] != (self.input_size, self.input_size):
+            x = F.interpolate(x, size=(self.input_size, self.input_size), mode="bicubic", align_corners=False)
+        return (x - self.mean.to(x.device)) / self.std.to(x.device)
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.preprocess(images)
+        with torch.autocast(x.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            out = self.model.forward_features(x)
+        out = out.float()
+        b, (gh, gw), (h, w) = out.shape[0], self.grid, self.token_grid
+        if out.ndim == 3:
+            out = out[:, self.prefix:].transpose(1, 2).reshape(b, self.dim, gh, gw)  # (B, P + gh*gw, C) -> (B, C, gh, gw)
+        if (gh, gw) != (h, w):
+            out = F.avg_pool2d(out, (gh // h, gw // w))  # (B, C, gh, gw) -> (B, C, h, w)
+        return out.flatten(2).transpose(1, 2)  # (B, C, h, w) -> (B, h*w, C)
