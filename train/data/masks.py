@@ -35,7 +35,8 @@ UNREADABLE = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 
 
 def is_mask_file(path: Path) -> bool:
-    return path.name.lower().endswith(SUFFIX)
+    # Exactly as mask_file spells it: a NAME.MASK.PNG is taken for an image, whose missing caption is then refused.
+    return path.name.endswith(SUFFIX)
 
 
 def _stem(item: Path) -> str:
