@@ -126,3 +126,28 @@ def test_a_micro_batch_beyond_the_global_batch_is_refused():
         router.run(blocks, x, c, GRID, training=True)
     with pytest.raises(ValueError, match="0 <= start < total"):
         router.set_draws(step_generator(), 4, 4)
+
+
+@pytest.mark.parametrize("family, policy, route", [
+    ("dit", "random", Route(0.5, 1, 2)),
+    ("dit", "rows", Route(0.5, 1, 2)),
+    ("dit", "structured", Route(0.75, 1, 2, mode="sprint", path_drop=0.25)),
+    ("diffmoe", "random", Route(0.5, 1, 2)),  # the global pool's threshold EMA decides on the device
+])
+def test_a_routed_training_forward_and_backward_read_nothing_back_to_the_host(family, policy, route, monkeypatch):
+    from edm import EDMPrecond
+    from edm.objectives import EDM
+
+    model = build_backbone(family, "tiny", input_size=16, in_channels=1, patch_size=2, num_classes=4, depth=4)
+    model.attach_router(Router(build_policy(policy), [route], fp32_after_route=True))
+    net = EDMPrecond(model).train()
+    x, noise, sigma, labels = torch.randn(4, 1, 16, 16), torch.randn(4, 1, 16, 16), torch.rand(4) + 0.1, torch.tensor([0, 1, 2, 3])
+
+    def host_read(*args, **kwargs):
+        raise AssertionError("the step read a tensor back to the host")
+
+    for name in ("__bool__", "item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, host_read)
+    for step in range(2):  # the second step takes DiffMoE's threshold EMA branch
+        model.router.set_draws(step_generator(step), 0, 4)
+        EDM(sigma_data=0.5).loss(net, x, labels, sigma, noise).mean().backward()
