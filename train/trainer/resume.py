@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from routing import ConfigError
 from train.checkpoint import latest_checkpoint, load_checkpoint, load_trained_state
 from train.distributed import optimizer_from_names, shard_optimizer_state
-from train.schema import resume_changes
+from train.trainer.changes import Changes, classify
 
 
 class Resume:
@@ -31,18 +31,20 @@ class Resume:
             raise ConfigError(f"resume={resume!r} is not a checkpoint folder; pass resume=auto or a step_* folder "
                               f"(e.g. resume={ckpt_root / 'step_0000100'}).")
         state = load_checkpoint(path, self.cfg)
+        changes = self._refuse_changes(path, state["config"])  # before any weight is loaded
         try:
             load_trained_state(self.acc.unwrap_model(self.net), state, "model", self.cfg)
             with self._ema_net() as ema:
                 load_trained_state(ema, state, "ema", self.cfg)
         except RuntimeError as err:
-            raise ConfigError(f"checkpoint '{path}' does not fit this model ({str(err).splitlines()[0]}); resume with the config it was trained with.") from err
+            detail = " ".join(str(err).split())[:400]  # the state-dict keys that did not fit, on one line
+            raise ConfigError(f"checkpoint '{path}' does not fit this model ({detail}); resume with the config it was trained with.") from err
         try:
             self._load_optimizer(state)
         except (KeyError, ValueError, TypeError) as err:
             raise ConfigError(f"checkpoint '{path}' holds an optimizer state that does not fit this model ({type(err).__name__}); "
                               "resume from an older step_* folder.") from None
-        self._apply_resume_changes(path, state["config"])
+        self._apply_resume_changes(changes)
         torch.set_rng_state(state["torch_rng"])
         self.step = state["step"]
         self.acc.print(f"resumed from {path} at step {self.step}")
@@ -58,14 +60,21 @@ class Resume:
             saved = shard_optimizer_state(saved, [p for _, p in trained])
         self.optimizer.load_state_dict(saved)
 
-    def _apply_resume_changes(self, path: Path, saved_cfg: DictConfig) -> None:
-        """Settings that differ from the checkpoint's: refuse those that change what the weights mean, apply the rest."""
-        refused, applied = resume_changes(saved_cfg, self.cfg)
-        if refused:
+    def _refuse_changes(self, path: Path, saved_cfg: DictConfig) -> Changes:
+        """Every setting that differs from the checkpoint's, classified (changes.py); refused ones stop the run here, in
+        one sentence naming each key and the value it was trained with."""
+        changes = classify(saved_cfg, self.cfg)
+        if changes.refused:
             raise ConfigError(f"checkpoint '{path}' was trained with other values of keys that cannot change on resume "
-                              f"({'; '.join(refused)}); resume with the saved values or start a new run_dir.")
+                              f"({'; '.join(changes.refused)}); resume with the saved values or start a new run_dir.")
+        return changes
+
+    def _apply_resume_changes(self, changes: Changes) -> None:
+        """The allowed changes: AdamW's settings (the state just loaded carries the old ones), then each change said."""
         t = self.cfg.trainer
-        for group in self.optimizer.param_groups:  # the optimizer state just loaded carries the old ones
+        for group in self.optimizer.param_groups:
             group.update(lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
-        if applied:
-            self.acc.print(f"resume: applying changed settings: {'; '.join(applied)}")
+        for change in changes.warned:
+            self.acc.print(f"resume: warning: {change}")
+        if changes.applied:
+            self.acc.print(f"resume: applying changed settings: {'; '.join(changes.applied)}")

@@ -1,0 +1,87 @@
+"""Resume compares configs before it loads weights: every difference is refused (naming the key and the value trained
+with), allowed with a warning, or allowed and printed (train/trainer/changes.py)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from routing import ConfigError
+from train.trainer import Trainer
+from train.trainer.changes import classify
+from conftest import FAST, compose_cfg
+
+ROUTE = {"selection_ratio": 0.75, "start_layer_idx": 2, "end_layer_idx": -3, "mode": "sprint", "path_drop": 0.1}
+
+
+def folder_hash(run) -> str:
+    digest = hashlib.sha256()
+    for p in sorted(run.rglob("*")):
+        digest.update(str(p.relative_to(run)).encode() + (p.read_bytes() if p.is_file() else b"/"))
+    return digest.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def sprint_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("sprint") / "run"
+    Trainer(compose_cfg(*FAST, "routing=sprint", "trainer.ckpt_every=2", "trainer.log_with=none", f"run_dir={run}")).fit()
+    return run
+
+
+def resume(run, *overrides):
+    return Trainer(compose_cfg(*FAST, "trainer.ckpt_every=2", "trainer.log_with=none", f"run_dir={run}", "resume=true", *overrides))
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["routing=structured"], "routing.routes: the SPRINT route layout (start, end, mode) [(2, -3, 'sprint')]"),
+    (["routing=none"], "[(2, -3, 'sprint')] -> []"),
+    (["routing=sprint", "routing.policy=random"], "routing.policy: 'structured' -> 'random' (the SPRINT route's fusion layer"),
+    (["routing=sprint", "routing.routes=[{selection_ratio: 0.75, start_layer_idx: 3, end_layer_idx: -3, mode: sprint, path_drop: 0.1}]"],
+     "[(2, -3, 'sprint')] -> [(3, -3, 'sprint')]"),
+], ids=["structured", "none", "policy", "moved"])
+def test_a_change_that_moves_parameters_or_a_fusing_route_is_refused_before_any_weight_loads(sprint_run, overrides, named, monkeypatch):
+    import train.trainer.resume as resume_module
+
+    def never(*args, **kwargs):
+        raise AssertionError("weights were loaded before the config check")
+
+    monkeypatch.setattr(resume_module, "load_trained_state", never)
+    before = folder_hash(sprint_run)
+    with pytest.raises(ConfigError) as err:
+        resume(sprint_run, *overrides)
+    message = str(err.value)
+    assert named in message and "cannot change on resume" in message and "\n" not in message
+    assert folder_hash(sprint_run) == before
+
+
+def test_the_second_stage_and_the_learning_rate_are_applied_and_printed(sprint_run, capsys):
+    trainer = resume(sprint_run, "routing=sprint_finetune", "trainer.lr=1e-4", "trainer.max_steps=3")
+    out = capsys.readouterr().out
+    assert "resume: applying changed settings:" in out and "warning" not in out
+    assert "routing.routes[0].selection_ratio: 0.75 -> 0.0 (SPRINT's second stage" in out and "trainer.lr: 0.001 -> 0.0001" in out
+    assert trainer.step == 2 and all(g["lr"] == 1e-4 for g in trainer.optimizer.param_groups)
+    trainer._release_run_dir()
+
+
+def test_a_tread_route_or_batch_change_resumes_with_a_warning(tmp_path, capsys):
+    run = tmp_path / "run"
+    Trainer(compose_cfg(*FAST, "routing=random", "trainer.ckpt_every=2", "trainer.log_with=none", f"run_dir={run}")).fit()
+    capsys.readouterr()
+    trainer = resume(run, "routing=rows", "trainer.batch_size=2")
+    out = capsys.readouterr().out
+    assert "resume: warning: routing.policy: 'random' -> 'rows' (the weights continue under other routes" in out
+    assert "resume: warning: trainer.batch_size: 4 -> 2 (each later step draws another share" in out
+    assert trainer.step == 2
+    trainer._release_run_dir()
+
+
+def test_every_difference_lands_in_exactly_one_class():
+    old = {"routing": {"policy": "structured", "routes": [ROUTE]}, "trainer": {"lr": 1e-3, "batch_size": 4, "max_steps": 2},
+           "edm": {"P_mean": -1.2, "sigma_data": 0.5}, "seed": 0}
+    new = {"routing": {"policy": "structured", "routes": [{**ROUTE, "selection_ratio": 0.0}]},
+           "trainer": {"lr": 1e-4, "batch_size": 8, "max_steps": 9}, "edm": {"P_mean": -0.4, "sigma_data": 0.5}, "seed": 1}
+    changes = classify(old, new)
+    assert [c.split(":")[0] for c in changes.refused] == ["seed"]
+    assert sorted(c.split(":")[0] for c in changes.warned) == ["edm.P_mean", "trainer.batch_size"]
+    assert sorted(c.split(":")[0] for c in changes.applied) == ["routing.routes[0].selection_ratio", "trainer.lr", "trainer.max_steps"]
