@@ -144,6 +144,25 @@ TABLES = {
 }
 
 
+HEADINGS = {"kernel_checks": "Kernels against their references", "family_checks": "Families on the device against the CPU",
+            "kernel_speed": "Kernels at their reference shapes", "steps": "Training steps (train.bench.routing)",
+            "trainer": "python -m train against the bare step"}
+# How to read each table, printed above it.
+READING = {
+    "kernel_checks": "Each Triton kernel through its entry point against the fp64 definition on the same inputs; an error is "
+                     "max |got - want| / max |want| over the output or one gradient (train/bench/gpu_checks.py KERNEL_TOLERANCE).",
+    "family_checks": "Each family, unrouted, with its zero-initialised layers redrawn, on the device against the CPU in fp32 on "
+                     "the same weights; fp32 is checked tensor by tensor, bf16 autocast on the whole gradient vector "
+                     "(train/bench/gpu_checks.py FAMILY_TOLERANCE).",
+    "kernel_speed": "Median of interleaved calls. Ideal bytes: every tensor read or written once, the roofline's lower bound; "
+                    "achieved GB/s and the fraction of the card's peak are of those bytes over the forward+backward time.",
+    "steps": "One EDM step with fused AdamW, unrouted and routed on the same weights, timed interleaved; efficiency = measured "
+             "speedup / FLOP-ideal speedup; MFU = counted FLOPs / time / the card's dense bf16 peak.",
+    "trainer": "python -m train's images/s over its logged steps after the first logged one (compilation and warm-up), "
+               "against batch / the bare routed step's time at the same shape and compile mode.",
+}
+
+
 def markdown(report: dict) -> str:
     env, sections = report["environment"], report["sections"]
     lines = [f"# GPU check: {env['device']}{' (dry run: tiny shapes on the CPU)' if report['dry_run'] else ''}", "",
@@ -158,15 +177,13 @@ def markdown(report: dict) -> str:
     for g in report["goals"]:
         met = "-" if g["met"] is None else ("yes" if g["met"] else "**no**")
         lines.append(f"| {g['goal']} | {g['measured'] or 'not measured'} | {met} |")
-    for kind, heading in (("kernel_checks", "Kernels against their references"), ("family_checks", "Families on the device against the CPU"),
-                          ("kernel_speed", "Kernels at their reference shapes"), ("steps", "Training steps (train.bench.routing)"),
-                          ("trainer", "python -m train against the bare step")):
+    for kind, heading in HEADINGS.items():
         records = [r for s in sections if s["kind"] == kind for r in s["records"]]
         if not records:
             continue
         header, fmt = TABLES[kind]
         good = [r for r in records if "error" not in r]
-        lines += ["", f"## {heading}", ""]
+        lines += ["", f"## {heading}", "", READING[kind], ""]
         lines += [header, "|---" * (header.count("|") - 1) + "|", *(fmt(r) for r in good), ""] if good else []
         # A row that could not be measured: what it was, and the error in one line.
         lines += [f"- {' '.join(str(v) for k, v in r.items() if k not in ('error', 'passed', 'section'))}: **{r['error']}**"
