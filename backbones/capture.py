@@ -122,18 +122,25 @@ class HiddenCapture:
         if isinstance(router.policy, RecordingPolicy):
             router.policy = router.policy.inner
 
+    def __deepcopy__(self, memo) -> HiddenCapture:
+        # A deep copy of the hooked backbone (the EMA, built by copying the network) copies the hooks, which point
+        # here; they see modules that are not this backbone's and do nothing, so the copy captures nothing.
+        return self
+
     def clear(self) -> None:
         self.hidden.clear()
         self.positions.clear()
 
     def _start(self, module, args) -> None:
+        if module is not self.backbone:
+            return
         self.clear()
         router = self.backbone.router
         if not isinstance(router.policy, RecordingPolicy):  # wrapped here, so a router attached later is wrapped too
             router.policy = RecordingPolicy(router.policy)
 
     def _store(self, layer: int, module, args, output) -> None:
-        if layer in self.hidden:
+        if layer in self.hidden or module is not self.backbone.blocks[layer]:
             return
         router = self.backbone.router
         route = span_of(router.active_routes(self.backbone.training).values(), layer)

@@ -266,6 +266,47 @@ def test_capture_changes_no_output_and_adds_no_weight():
     assert list(hooked.state_dict()) == keys  # the projector lives in the Alignment, never in the model or its exports
 
 
+def test_a_deep_copy_of_the_hooked_model_captures_nothing():
+    """The EMA is a deep copy of the network: its forwards (teacher, previews) leave the online capture alone."""
+    import copy
+
+    x, t, y = batch()
+    model = tiny("dit", TREAD)
+    align = Alignment(model, "self", 1, width=8, teacher_layer=4, teacher="online")
+    ema = copy.deepcopy(model).eval()
+    model(x, t, y)
+    held = dict(align.capture.hidden)
+    ema(x, t + 1, y)
+    assert align.capture.hidden == held and align.capture.hidden[1] is held[1]
+    assert torch.equal(ema(x, t, y), model.eval()(x, t, y))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("whole", [False, True], ids=["blocks", "model"])
+def test_capture_under_torch_compile(whole):
+    """trainer.compile=blocks compiles each block in place, =model the whole network; the hooks are traced with them
+    (aot_eager: dynamo and autograd tracing without a C++ compiler, so it runs on the CPU)."""
+    x, t, y = batch()
+    eager, compiled = tiny("dit", TREAD, depth=5), tiny("dit", TREAD, depth=5)
+    aligns = [Alignment(m, "self", 2, width=8, teacher_layer=3, teacher="online", loss="cosine") for m in (eager, compiled)]
+    aligns[1].load_state_dict(aligns[0].state_dict())
+    if whole:
+        run = torch.compile(compiled, backend="aot_eager", dynamic=False)
+    else:
+        for block in compiled.blocks:
+            block.compile(backend="aot_eager", dynamic=False)
+        run = compiled
+    losses = []
+    for model, forward, align in ((eager, eager, aligns[0]), (compiled, run, aligns[1])):
+        model.router.generator = torch.Generator().manual_seed(0)
+        forward(x, t, y)
+        assert align.capture.positions[2].shape == (3, 8)
+        losses.append(align(x))
+        losses[-1].backward()
+        assert model.blocks[2].adaLN.proj[1].weight.grad is not None
+    torch.testing.assert_close(losses[1], losses[0])
+
+
 def test_capture_under_gradient_checkpointing_keeps_the_forward_state():
     x, t, y = batch()
     model = tiny("dit", TREAD)
