@@ -205,6 +205,8 @@ def test_todays_routing_and_trainer_compile_flags():
     (["--dry-run", "--sections", "everything"], "invalid choice: 'everything'"),
     (["--dry-run", "--repeats", "0"], "out of range"),
     (["--dry-run", "--device", "tpu"], "--device"),
+    (["--device", "cpu"], "--device cpu is not a GPU"),
+    (["--dry-run", "--out", __file__], "is a file, not a folder"),
 ])
 def test_bad_arguments_get_one_sentence(capsys, argv, says):
     with pytest.raises(SystemExit) as stop:
