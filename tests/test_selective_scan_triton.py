@@ -1,7 +1,8 @@
 """The Triton selective scan against the sequential definition: values and the gradients of every input.
 
-On a machine without a GPU the kernels run under Triton's interpreter (conftest.py sets TRITON_INTERPRET=1
-before anything imports them). Triton ships with torch, so a failing import fails these tests.
+The tensors live on the GPU when there is one (the compiled kernels run) and on the CPU otherwise, where
+the kernels run under Triton's interpreter (conftest.py sets TRITON_INTERPRET=1 before anything imports
+them). Triton ships with torch, so a failing import fails these tests.
 """
 
 from __future__ import annotations
@@ -18,31 +19,36 @@ from backbones.ops.selective_scan import selective_scan_ref
 from backbones.ops.selective_scan_triton import selective_scan_triton
 
 NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _plane_scan(self, inputs):
-    """The interpreter's ScanOps.generic_scan, one hyperplane along the scanned axis at a time.
+@pytest.fixture
+def device() -> str:
+    """CUDA when present (the compiled kernel only takes CUDA tensors), else the CPU under the interpreter."""
+    if torch.cuda.is_available():
+        return "cuda"
+    assert sst._INTERPRETED, "no GPU and no TRITON_INTERPRET=1: conftest.py should have set it"
+    return "cpu"
+
+
+def _doubling_scan(self, inputs):
+    """The interpreter's ScanOps.generic_scan by recursive doubling (Hillis-Steele) on whole slices.
 
     Triton's interpreter applies a custom combine function element by element in Python (about 40 us
-    each), which would make this file take minutes. This applies the same combine function in the same
-    order to whole (..., 1, ...) slices; test_plane_scan_equals_the_interpreters checks it against the
-    original.
+    each), which would make this file take minutes. This applies the same combine function, earlier
+    segment first, to whole tensors log2(length) times; it rounds like a parallel scan on a GPU rather
+    than the interpreter's sequential order. test_doubling_scan_equals_the_interpreters checks it.
     """
-    planes = [np.moveaxis(t.handle.data, self.axis, 0) for t in inputs]
-    outs = [np.empty_like(t.handle.data) for t in inputs]
-    out_planes = [np.moveaxis(o, self.axis, 0) for o in outs]  # writable views, scanned axis first
-    acc = None
-    for i in range(planes[0].shape[0]):
-        cur = tuple(self.to_tensor(np.ascontiguousarray(p[i]), t.dtype) for p, t in zip(planes, inputs))
-        if acc is None:
-            acc = cur
-        else:
-            ret = self.combine_fn.fn(*acc, *cur)
-            acc = ret if isinstance(ret, tuple) else (ret,)
-        for o, a in zip(out_planes, acc):
-            o[i] = a.handle.data
-    return [self.to_tensor(o, t.dtype) for o, t in zip(outs, inputs)]
+    planes = [np.moveaxis(t.handle.data, self.axis, 0) for t in inputs]  # scanned axis first
+    length, shift = planes[0].shape[0], 1
+    while shift < length:
+        # Row j combines with row j - shift; the first `shift` rows are final (their partners are discarded).
+        earlier = [self.to_tensor(np.concatenate([p[:shift], p[:-shift]]), t.dtype) for p, t in zip(planes, inputs)]
+        later = [self.to_tensor(np.ascontiguousarray(p), t.dtype) for p, t in zip(planes, inputs)]
+        ret = self.combine_fn.fn(*earlier, *later)
+        ret = ret if isinstance(ret, tuple) else (ret,)
+        planes = [np.concatenate([p[:shift], r.handle.data[shift:]]) for p, r in zip(planes, ret)]
+        shift *= 2
+    return [self.to_tensor(np.ascontiguousarray(np.moveaxis(p, 0, self.axis)), t.dtype) for p, t in zip(planes, inputs)]
 
 
 if sst._INTERPRETED:
@@ -51,45 +57,63 @@ if sst._INTERPRETED:
     _ORIGINAL_GENERIC_SCAN = _ScanOps.generic_scan
 
 
+def _float_sum(input, axis=None, keep_dims=False, dtype=None):
+    """tl.sum for float tiles as a plain function: the interpreter re-patches triton.language on every call of
+    a @jit helper such as tl.sum (~3 ms each, most of these tests' time); this reduces the same way (np.sum)."""
+    import triton.language as tl
+
+    return tl.reduce(input, axis, tl.standard._sum_combine, keep_dims=keep_dims)
+
+
 @pytest.fixture(autouse=True)
 def fast_interpreter_scan(monkeypatch):
     if sst._INTERPRETED:
+        import triton.language as tl
         from triton.runtime.interpreter import ScanOps
 
-        monkeypatch.setattr(ScanOps, "generic_scan", _plane_scan)
+        monkeypatch.setattr(ScanOps, "generic_scan", _doubling_scan)
+        monkeypatch.setattr(tl, "sum", _float_sum)
 
 
 @pytest.mark.skipif(not sst._INTERPRETED, reason="on a GPU the compiled kernels run and nothing is patched")
-def test_plane_scan_equals_the_interpreters():
-    """The speed-up above must compute exactly what the interpreter computes (forward and reverse)."""
+@pytest.mark.parametrize("combine", ["affine", "affine_pre"])
+def test_doubling_scan_equals_the_interpreters(combine):
+    """The speed-up above must compute what the interpreter computes (forward and reverse, 2 and 3 operands)."""
     import triton
     import triton.language as tl
     from triton.runtime.interpreter import ScanOps
 
     @triton.jit
-    def scan_kernel(a_ptr, x_ptr, out_ptr, REVERSE: tl.constexpr):
+    def scan_kernel(a_ptr, x_ptr, s_ptr, out_ptr, REVERSE: tl.constexpr, PRE: tl.constexpr):
         idx = tl.arange(0, 2)[:, None, None] * 32 + tl.arange(0, 4)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-        _, h = tl.associative_scan((tl.load(a_ptr + idx), tl.load(x_ptr + idx)), 2, sst._compose, reverse=REVERSE)
+        a, x = tl.load(a_ptr + idx), tl.load(x_ptr + idx)
+        if PRE:
+            _, _, h = tl.associative_scan((a, x, tl.load(s_ptr + idx)), 2, sst._compose_pre, reverse=REVERSE)
+        else:
+            _, h = tl.associative_scan((a, x), 2, sst._compose, reverse=REVERSE)
         tl.store(out_ptr + idx, h)
 
     g = torch.Generator().manual_seed(0)
-    a, x = torch.rand(2, 4, 8, generator=g), torch.randn(2, 4, 8, generator=g)
+    a, x, s = torch.rand(2, 4, 8, generator=g, dtype=torch.float64), *torch.randn(2, 2, 4, 8, generator=g, dtype=torch.float64)
+    pre = combine == "affine_pre"
     for reverse in (False, True):
         fast, slow = torch.empty_like(x), torch.empty_like(x)
-        scan_kernel[(1,)](a, x, fast, reverse)
+        scan_kernel[(1,)](a, x, s, fast, reverse, pre)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(ScanOps, "generic_scan", _ORIGINAL_GENERIC_SCAN)  # element by element
-            scan_kernel[(1,)](a, x, slow, reverse)
-        assert torch.equal(fast, slow)
-        # And both are the recurrence h_t = a_t h_{t-1} + x_t (h_{t+1} when reversed).
-        h, expected = torch.zeros(2, 4), torch.empty_like(x)
-        for t in range(7, -1, -1) if reverse else range(8):
+            scan_kernel[(1,)](a, x, s, slow, reverse, pre)
+        torch.testing.assert_close(fast, slow, rtol=1e-14, atol=1e-14)
+        # And both are the recurrence h_t = a_t h_{t-1} + x_t (h_{t+1} when reversed); with PRE the third
+        # output, a_t h_{t-1} + s_t, is the state before step t's input (the kernel passes s = 0 but at the start).
+        h, expected = torch.zeros(2, 4, dtype=torch.float64), torch.empty_like(x)
+        order = range(7, -1, -1) if reverse else range(8)
+        for t in order:
+            expected[..., t] = a[..., t] * h + (s[..., t] if pre else x[..., t])
             h = a[..., t] * h + x[..., t]
-            expected[..., t] = h
         torch.testing.assert_close(fast, expected)
 
 
-def _inputs(b, d, length, n, dtype, groups=None, seed=0):
+def _inputs(b, d, length, n, dtype, device, groups=None, seed=0):
     """Random inputs in mamba-ssm's layout; A < 0; delta raw (softplus makes it positive)."""
     g = torch.Generator().manual_seed(seed)
     bc_shape = (b, groups, n, length) if groups else (b, n, length)
@@ -103,7 +127,7 @@ def _inputs(b, d, length, n, dtype, groups=None, seed=0):
         z=torch.randn(b, d, length, generator=g),
         delta_bias=torch.randn(d, generator=g) * 0.3,
     )
-    return {k: v.to(DEVICE, dtype) for k, v in tensors.items()}
+    return {k: v.to(device, dtype) for k, v in tensors.items()}
 
 
 def _value_and_grads(fn, inputs: dict, softplus: bool = True, drop: tuple[str, ...] = ()):
@@ -132,18 +156,20 @@ def _check(inputs, tol, softplus=True, drop=(), ref_inputs=None):
         assert _rel(grad, grads_ref[name]) < tol, name
 
 
-@pytest.mark.parametrize("n", [4, 16])
-@pytest.mark.parametrize("length", [1, 9, 40])
-@pytest.mark.parametrize("d", [3, 20])
-def test_float64_matches_definition(d, length, n):
-    """The algebra, forward and backward, exactly: fp64 in, fp64 state, against the sequential loop."""
-    _check(_inputs(2, d, length, n, torch.float64), tol=1e-10)
+# Each d, length and n with each other value of the others at least once (the interpreter is slow: few cases).
+@pytest.mark.parametrize("d,length,n", [(3, 1, 4), (3, 9, 16), (3, 40, 4), (20, 1, 16), (20, 9, 4), (20, 40, 16)])
+def test_float64_matches_definition(device, d, length, n):
+    """The algebra, forward and backward, exactly: fp64 in, fp64 state, against the sequential loop.
+
+    d = 20 in the interpreter's config (BLOCK_D = 4, 8 channels per backward program) also walks two
+    channel blocks per backward program, the second adding into the dB, dC partial rows the first wrote."""
+    _check(_inputs(2, d, length, n, torch.float64, device), tol=1e-10)
 
 
-@pytest.mark.parametrize("d,length,n", [(3, 40, 4), (20, 40, 16)])
-def test_float32_within_state_tolerance(d, length, n):
+@pytest.mark.parametrize("d,length,n", [(3, 40, 4), (20, 24, 16)])
+def test_float32_within_state_tolerance(device, d, length, n):
     """fp32 kernel vs the fp64 definition on the same values: 1e-5 of the largest magnitude."""
-    inputs = _inputs(2, d, length, n, torch.float32)
+    inputs = _inputs(2, d, length, n, torch.float32, device)
     _check(inputs, tol=1e-5, ref_inputs={k: v.double() for k, v in inputs.items()})
 
 
@@ -158,8 +184,8 @@ def test_float32_within_state_tolerance(d, length, n):
     ],
     ids=["bare", "no_z", "no_D", "no_softplus_no_bias", "bias_no_softplus"],
 )
-def test_optional_arguments(drop, softplus):
-    inputs = _inputs(2, 20, 9, 4, torch.float64)
+def test_optional_arguments(device, drop, softplus):
+    inputs = _inputs(2, 20, 9, 4, torch.float64, device)
     if not softplus:
         inputs["delta"] = inputs["delta"].abs()  # positive step sizes, as softplus would give
         inputs["delta_bias"] = inputs["delta_bias"].abs()
@@ -167,45 +193,58 @@ def test_optional_arguments(drop, softplus):
 
 
 @pytest.mark.parametrize("d", [20, 32])
-def test_grouped_B_C(d):
+def test_grouped_B_C(device, d):
     """Groups of 10 channels (not a power of two: masked channel blocks) and of 16."""
-    _check(_inputs(2, d, 9, 4, torch.float64, groups=2), tol=1e-10)
+    _check(_inputs(2, d, 9, 4, torch.float64, device, groups=2), tol=1e-10)
 
 
-@pytest.mark.parametrize("tile_elements", [32, 64])
-def test_state_carried_across_chunks(monkeypatch, tile_elements):
-    """Tiny tiles cut l = 40 into chunks of 2 or 4 steps (some padded): the state and dh cross many borders."""
-    monkeypatch.setattr(sst, "_TILE_ELEMENTS", tile_elements)
-    assert sst._blocks(3, 4, 40)[2] == tile_elements // 16
-    _check(_inputs(2, 3, 41, 4, torch.float64), tol=1e-10)
+@pytest.mark.parametrize("chunk", [4, 8])
+def test_state_carried_across_chunks(device, monkeypatch, chunk):
+    """Short chunks cut l = 21 into 3 or 6 chunks (the last padded): states and dh cross many borders,
+    forward stores every entering state and backward rebuilds each chunk from it."""
+    monkeypatch.setattr(sst, "MAX_CHUNK", chunk)
+    assert sst.time_chunk(21) == chunk and sst.states_shape(2, 3, 21, 4) == (2, 3, -(-21 // chunk) - 1, 4)
+    _check(_inputs(2, 3, 21, 4, torch.float64, device), tol=1e-10)
 
 
-def test_bfloat16_inputs():
+def test_layout_does_not_depend_on_the_tuned_config():
+    """Chunk length and backward's channels per program come from the shape alone, so forward's states and
+    backward's partial sums line up whichever BLOCK_D the autotuner picks (a multiple-of-BLOCK_D check)."""
+    assert sst.time_chunk(256) == 256 and sst.time_chunk(1024) == 256 and sst.time_chunk(9) == 16
+    assert sst.channels_per_program(64, 1, 768) == 64  # 768 programs at the reference shape
+    assert sst.channels_per_program(8, 1, 768) == 8  # fewer rows: smaller blocks keep the card busy
+    block_ds = {c.kwargs["BLOCK_D"] for c in sst.bwd_kernel.configs}
+    assert all(8 % bd == 0 for bd in block_ds)
+    if sst._INTERPRETED:  # the interpreter would run every config: one
+        assert len(sst.fwd_kernel.configs) == len(sst.bwd_kernel.configs) == 1
+
+
+def test_bfloat16_inputs(device):
     """bf16 activations (fp32 A, D, delta_bias as mamba-ssm takes them): the kernel computes in fp32 from
     the bf16 values, so output and gradients are the fp64 result up to bf16 rounding: 1/128 of the largest."""
-    inputs = _inputs(2, 20, 40, 16, torch.float32)
+    inputs = _inputs(2, 6, 24, 8, torch.float32, device)
     for name in ("u", "delta", "B", "C", "z"):
         inputs[name] = inputs[name].bfloat16()
     _check(inputs, tol=1 / 128, ref_inputs={k: v.double() for k, v in inputs.items()})
 
 
-def test_no_grad_forward_matches():
+def test_no_grad_forward_matches(device):
     """Without autograd the chunk states are not stored; the values must not change."""
-    inputs = _inputs(2, 20, 40, 4, torch.float64)
+    inputs = _inputs(2, 6, 40, 4, torch.float64, device)
     with torch.no_grad():
         y = selective_scan_triton(**inputs, delta_softplus=True)
     assert y.grad_fn is None
     assert _rel(y, selective_scan_ref(**inputs, delta_softplus=True)) < 1e-10
 
 
-def test_reads_nothing_past_the_end():
+def test_reads_nothing_past_the_end(device):
     """Each tensor is followed in memory by NaNs; a load past the last step (e.g. of delta_{t+1}) would show."""
 
     def nan_padded(t: torch.Tensor) -> torch.Tensor:
         storage = torch.full((t.numel() + 64,), float("nan"), dtype=t.dtype, device=t.device)
         return storage[: t.numel()].view_as(t).copy_(t)  # contiguous, NaNs right after the last element
 
-    inputs = _inputs(2, 3, 9, 4, torch.float64)
+    inputs = _inputs(2, 3, 9, 4, torch.float64, device)
     leaves = {k: nan_padded(v).requires_grad_() for k, v in inputs.items()}
     y, y_ref = (fn(**leaves, delta_softplus=True) for fn in (selective_scan_triton, selective_scan_ref))
     grads, grads_ref = (torch.autograd.grad(out, list(leaves.values()), torch.ones_like(out)) for out in (y, y_ref))
@@ -214,27 +253,48 @@ def test_reads_nothing_past_the_end():
         assert _rel(g, g_ref) < 1e-10, name
 
 
-def test_no_overflow_for_very_negative_decay():
-    """delta A of -1e5 per step: a_t = 0, values and gradients finite and equal to the definition's."""
-    inputs = _inputs(2, 3, 9, 4, torch.float32)
+def test_no_overflow_for_very_negative_decay(device):
+    """delta A of -1e5 per step: a_t = 0, values and every gradient finite and equal to the definition's.
+
+    On an H200 the old backward, which formed a_t h_{t-1} as h_t - x_t, got d delta wrong by 1.4e-3: the
+    compiler fused x_t = delta u B into the subtraction as an FMA, leaving the product's rounding error,
+    times |A| = 1e4."""
+    inputs = _inputs(2, 3, 9, 4, torch.float32, device)
     inputs["A"] = torch.full_like(inputs["A"], -1e4)
     inputs["delta"] = torch.full_like(inputs["delta"], 10.0)
     y, grads = _value_and_grads(selective_scan_triton, inputs)
     y_ref, grads_ref = _value_and_grads(selective_scan_ref, {k: v.double() for k, v in inputs.items()})
     assert torch.isfinite(y).all() and all(torch.isfinite(g).all() for g in grads.values())
     assert _rel(y, y_ref) < 1e-5
-    for name in ("u", "delta", "B", "C", "D", "z"):
+    for name in NAMES:
         assert _rel(grads[name], grads_ref[name]) < 1e-5, name
 
 
-def test_rejects_mismatched_B_C():
-    inputs = _inputs(1, 4, 5, 2, torch.float32)
+def test_decay_gradient_without_cancellation(device):
+    """delta A from -20 to -30 (a_t ~ 1e-9 to 1e-13), fp32: the gradient of A is sum delta dh_t a_t h_{t-1},
+    with a_t h_{t-1} far below the rounding of h_t. Formed as h_t - x_t it is all rounding error (or zero),
+    which fails this check on the interpreter as on a GPU; the kernel's scan carries a_t h_{t-1} itself."""
+    inputs = _inputs(2, 3, 9, 4, torch.float32, device)
+    inputs["A"] = torch.full_like(inputs["A"], -1e4)
+    g = torch.Generator().manual_seed(1)
+    inputs["delta"] = (2e-3 * (1 + 0.5 * torch.rand(inputs["delta"].shape, generator=g))).to(device)
+    y, grads = _value_and_grads(selective_scan_triton, inputs, softplus=False, drop=("delta_bias",))
+    ref_inputs = {k: v.double() for k, v in inputs.items()}
+    y_ref, grads_ref = _value_and_grads(selective_scan_ref, ref_inputs, softplus=False, drop=("delta_bias",))
+    assert grads_ref["A"].abs().max() > 0  # the reference sees the tiny decays
+    assert _rel(y, y_ref) < 1e-5
+    for name, grad in grads.items():
+        assert _rel(grad, grads_ref[name]) < 1e-5, name
+
+
+def test_rejects_mismatched_B_C(device):
+    inputs = _inputs(1, 4, 5, 2, torch.float32, device)
     with pytest.raises(ValueError, match="B and C"):
         selective_scan_triton(inputs["u"], inputs["delta"], inputs["A"], inputs["B"], inputs["C"][:, None])
 
 
-def test_dispatcher_forces_triton_and_logs_it(caplog):
-    inputs = _inputs(2, 3, 9, 4, torch.float32)
+def test_dispatcher_forces_triton_and_logs_it(device, caplog):
+    inputs = _inputs(2, 3, 9, 4, torch.float32, device)
     cuda_kernels._announce.cache_clear()
     with caplog.at_level(logging.INFO, logger=cuda_kernels.__name__):
         forced = cuda_kernels.scan_fn(**inputs, delta_softplus=True, backend="triton")
@@ -244,9 +304,9 @@ def test_dispatcher_forces_triton_and_logs_it(caplog):
         cuda_kernels.scan_fn(**inputs, backend="cuda")
 
 
-def test_dispatcher_default_backend_from_environment(monkeypatch):
+def test_dispatcher_default_backend_from_environment(device, monkeypatch):
     """TREAD_SCAN_BACKEND picks the path when the caller (the Mamba block) names none."""
-    inputs = _inputs(2, 3, 9, 4, torch.float32)
+    inputs = _inputs(2, 3, 9, 4, torch.float32, device)
     called = []
     monkeypatch.setattr(cuda_kernels, "triton_selective_scan", lambda: lambda *args: called.append(args) or args[0])
     monkeypatch.setenv("TREAD_SCAN_BACKEND", "triton")
@@ -257,13 +317,13 @@ def test_dispatcher_default_backend_from_environment(monkeypatch):
     assert len(called) == 1
 
 
-def test_mamba_mixer_on_the_triton_path(monkeypatch):
+def test_mamba_mixer_on_the_triton_path(device, monkeypatch):
     """The bidirectional mixer end to end: output and every parameter gradient agree with the PyTorch scan."""
     from backbones.mamba import BiMambaMixer
 
     torch.manual_seed(0)
-    mixer = BiMambaMixer(d_model=8, d_state=4).to(DEVICE)
-    tokens = torch.randn(2, 12, 8, device=DEVICE)  # (B, L, D)
+    mixer = BiMambaMixer(d_model=8, d_state=4).to(device)
+    tokens = torch.randn(2, 12, 8, device=device)  # (B, L, D)
     results = {}
     for backend in ("torch", "triton"):
         monkeypatch.setenv("TREAD_SCAN_BACKEND", backend)
