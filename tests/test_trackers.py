@@ -43,6 +43,7 @@ def test_wandb_offline_writes_a_run_folder_with_the_metrics_and_the_config(cfg_f
     monkeypatch.setenv("WANDB_X_DISABLE_STATS", "true")  # no system-metrics sampler for a two-step run
     Trainer(cfg_factory("trainer.log_with=wandb", "trainer.max_steps=2")).fit()
     assert wandb.run is None  # finished with the training
+    wandb.teardown()  # what exiting the process does: wait for wandb's service to write the run's records out
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, runs
     records = list(runs[0].glob("run-*.wandb"))
