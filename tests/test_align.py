@@ -205,6 +205,42 @@ def test_online_teacher_is_detached_in_the_same_route():
     assert model.blocks[3].adaLN.proj[1].weight.grad is None  # the teacher's block gets no gradient from the alignment
 
 
+# The trainer's calls (docs/alignment.md), in process: every family x {none, TREAD, SPRINT} x {repa, self}
+
+
+@pytest.mark.parametrize("recipe", [None, TREAD, SPRINT], ids=["none", "tread", "sprint"])
+@pytest.mark.parametrize("family", ["dit", "rwkv", "mamba", "diffmoe"])
+def test_two_steps_as_the_trainer_will_call_it(vit_file, family, recipe):
+    from timm.utils import ModelEmaV3
+
+    from backbones.diffmoe import auxiliary_losses
+
+    x, _, labels = batch()
+    for mode, name in (("repa", "edm"), ("self", "flow")):
+        objective = build_objective(name)
+        net = objective.wrap(tiny(family, recipe, depth=5))
+        backbone = net.model
+        targets = FrozenEncoder.load("vit_tiny_patch16_224", str(vit_file[1]), 64, backbone.grid) if mode == "repa" else None
+        align = Alignment(backbone, mode, 1, width=16, target_dim=targets.dim if targets else None, targets=targets, teacher_layer=3)
+        ema = ModelEmaV3(net, decay=0.9)  # the EMA copy after the hooks: its copies stay inert
+        optimizer = torch.optim.AdamW(list(net.parameters()) + list(align.parameters()), lr=1e-3)
+        before = [p.detach().clone() for p in align.parameters()]
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            t, noise, u = objective.sample_time(3, g), torch.randn(x.shape, generator=g), torch.rand(3, generator=g)
+            backbone.router.generator = g
+            per_elem = objective.loss(net, x, labels, t, noise)
+            aux = auxiliary_losses(net)
+            loss = per_elem.mean() + sum(aux.values()) + align(x, labels, t, noise, objective=objective, ema=ema.module, u=u)
+            assert torch.isfinite(loss)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            ema.update(net, step=step)
+        assert all(not torch.equal(a, b) for a, b in zip(align.parameters(), before))
+        assert set(ema.module.state_dict()) == set(net.state_dict())  # no projector in the EMA or an export
+
+
 # Capture on every family
 
 
