@@ -188,7 +188,24 @@ def test_compiled_training_steps_match_eager(tmp_path):
     common = [*FAST, "routing=random", "trainer.max_steps=3"]
     eager = Trainer(compose_cfg(*common, f"run_dir={tmp_path / 'eager'}")).fit()
     before = compiled_graphs()
-    compiled = Trainer(compose_cfg(*common, "trainer.compile=true", f"run_dir={tmp_path / 'compiled'}")).fit()
+    compiled = Trainer(compose_cfg(*common, "trainer.compile=blocks", f"run_dir={tmp_path / 'compiled'}")).fit()
     assert compiled == pytest.approx(eager, rel=1e-4, abs=1e-5)
     # The full sequence and the route's subset: one graph each, shared by every block (not one per block).
     assert 1 <= compiled_graphs() - before <= 4
+
+
+@pytest.mark.slow  # two short runs, one compiled whole (aot_eager: the graph, not inductor's C++): about 30 s
+def test_the_trainer_with_compile_model_trains_one_graph_as_eager(tmp_path, monkeypatch):
+    import functools
+
+    import train.trainer.setup as setup
+    from train.trainer import Trainer
+
+    common = [*FAST, "routing=sprint", "trainer.max_steps=3", "trainer.grad_accum=2"]
+    eager = Trainer(compose_cfg(*common, f"run_dir={tmp_path / 'eager'}")).fit()
+    monkeypatch.setattr(setup, "compile_network", functools.partial(compile_network, backend="aot_eager"))
+    torch._dynamo.reset()
+    before = compiled_graphs()
+    compiled = Trainer(compose_cfg(*common, "trainer.compile=model", f"run_dir={tmp_path / 'compiled'}")).fit()
+    assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-5)
+    assert compiled_graphs() - before == 1, "one graph for both micro-batches of every step"
