@@ -142,13 +142,26 @@ def randomise_zero_init(model: nn.Module, std: float = 0.02) -> int:
 
 @contextlib.contextmanager
 def _no_tf32():
-    """Full fp32 matmuls and convolutions on CUDA for the fp32 comparison (cuDNN convolutions default to TF32)."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    """Full fp32 matmuls and convolutions on CUDA for the fp32 comparison (cuDNN convolutions default to TF32),
+    through whichever of torch's two TF32 switches the process already uses: reading the older one after the
+    newer (fp32_precision) was set raises."""
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn
     try:
+        saved = matmul.allow_tf32, conv.allow_tf32
+    except RuntimeError:
+        saved = None
+    try:
+        if saved is not None:
+            matmul.allow_tf32 = conv.allow_tf32 = False
+        else:
+            newer = matmul.fp32_precision, conv.conv.fp32_precision
+            matmul.fp32_precision = conv.conv.fp32_precision = "ieee"
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+        if saved is not None:
+            matmul.allow_tf32, conv.allow_tf32 = saved
+        else:
+            matmul.fp32_precision, conv.conv.fp32_precision = newer
 
 
 def _norm_error(grads: dict, grads_ref: dict) -> float:
