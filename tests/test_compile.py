@@ -120,6 +120,34 @@ def test_cuda_graphs_that_cannot_capture_fall_back_with_one_line_saying_why():
     assert forward.sigma_data == net.sigma_data and list(forward.parameters()) == list(net.parameters()), "a drop-in for net"
 
 
+def test_captured_steps_accumulate_gradients_in_buffers_outside_the_graphs_pool():
+    """The CUDA-graph wrapper's bookkeeping, on the CPU with the eager network standing in for the captured one: each
+    step starts from zeroed .grad buffers (one flat tensor), micro-batches add into them, and it says once why the
+    first step and a new shape run uncaptured."""
+    net, reference = denoiser("dit"), denoiser("dit")
+    lines = []
+    forward = CompiledNetwork(net, net, cuda_graphs=True, log=lines.append)
+    objective = EDM(sigma_data=0.5)
+    g = torch.Generator().manual_seed(0)
+    for step in range(2):
+        y, noise, sigma = torch.randn(4, 1, 16, 16, generator=g), torch.randn(4, 1, 16, 16, generator=g), torch.rand(4, generator=g) + 0.1
+        labels = torch.tensor([0, 1, 2, 3])
+        for model, call in ((net, forward), (reference, reference)):
+            model.zero_grad(set_to_none=True)
+            for start in (0, 2):  # two micro-batches accumulate
+                model.model.router.set_draws(torch.Generator().manual_seed(step), start, 4)
+                part = slice(start, start + 2)
+                objective.loss(call, y[part], labels[part], sigma[part], noise[part]).mean().backward()
+        (flat,) = forward.grads.values()
+        for p, q in zip(net.parameters(), reference.parameters()):
+            assert p.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr(), "every .grad is a view of the buffer"
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+    net.model.router.set_draws(torch.Generator().manual_seed(2), 0, 3)
+    forward(torch.randn(3, 1, 16, 16), torch.rand(3) + 0.1, torch.tensor([0, 1, 2]))
+    assert len(lines) == 2 and lines[0].startswith("trainer.cuda_graphs: the first step runs uncaptured")
+    assert "new shape" in lines[1]
+
+
 def test_compile_modes_and_the_old_switch():
     assert [compile_mode(v) for v in (None, False, True, "off", "blocks", "model")] == ["off", "off", "blocks", "off", "blocks", "model"]
     with pytest.raises(ConfigError, match="trainer.compile='graph' is unknown; choose off, blocks"):

@@ -95,6 +95,7 @@ class CompiledNetwork:
         self.module, self.compiled, self.cuda_graphs, self.log = net, compiled, cuda_graphs, log
         self.shapes: set[tuple] = set()
         self.skips_seen = 0
+        self.grads: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> one flat buffer holding every .grad
 
     def __call__(self, *args, **kwargs):
         if not self.cuda_graphs:
@@ -105,11 +106,42 @@ class CompiledNetwork:
             self.shapes.add(shape)
             self.log("trainer.cuda_graphs: the first step runs uncaptured (it compiles, then warms up the graphs); later steps replay them."
                      if first else f"trainer.cuda_graphs: inputs of a new shape {shape} run uncaptured while their graph is compiled and recorded.")
+        if torch.is_grad_enabled():
+            self._stable_grads()
         # One training forward and backward per call: cudagraph trees may reuse the previous step's memory from here on.
         torch.compiler.cudagraph_mark_step_begin()
         out = self.compiled(*args, **kwargs)
         self._report_skips()
         return out
+
+    def _stable_grads(self) -> None:
+        """Give every trained parameter without a .grad a zeroed one outside the graphs' memory pool.
+
+        A captured backward's gradients live in the pool, and autograd keeps the first one of a step as .grad itself;
+        the next micro-batch's replay would overwrite it (gradient accumulation), which cudagraph trees refuse. With
+        .grad already allocated here, autograd adds into it instead. The buffers are views of one flat tensor per
+        dtype, zeroed by one kernel when a step starts (the trainer's zero_grad(set_to_none=True) left them None).
+        """
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        missing = [p for p in params if p.grad is None]
+        if not missing:
+            return
+        groups: dict[tuple, list[nn.Parameter]] = {}
+        for p in params:
+            groups.setdefault((p.dtype, p.device), []).append(p)
+        for key, group in groups.items():
+            flat = self.grads.get(key)
+            if flat is None or flat.numel() != sum(p.numel() for p in group):
+                flat = self.grads[key] = torch.empty(sum(p.numel() for p in group), dtype=key[0], device=key[1])
+            fresh = all(p.grad is None for p in group)
+            if fresh:
+                flat.zero_()
+            offset = 0
+            for p in group:
+                view = flat[offset : offset + p.numel()].view_as(p)  # (numel,) -> p's shape; each parameter its own slice
+                offset += p.numel()
+                if p.grad is None:
+                    p.grad = view if fresh else view.zero_()
 
     def __getattr__(self, name):
         # Everything else is the eager module's (parameters(), sigma_data, train()): a drop-in for `net`.
