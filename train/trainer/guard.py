@@ -23,13 +23,15 @@ from train.distributed.fsdp import local
 RECENT_NORMS = 5  # a checkpoint's weight norm is compared with the start's and the last few checkpoints'
 
 
-def ema_pairs(ema, model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(averaged tensors, the model's tensors they follow): the trained tensors for the fine-tuning and sharded EMAs,
-    every floating tensor of the state dict for timm's ModelEmaV3 (as its own update pairs them)."""
+def ema_pairs(ema, model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """(averaged tensors, the model's tensors they follow, (copy, source) of tensors copied instead): the trained
+    tensors for the fine-tuning and sharded EMAs; for timm's ModelEmaV3, as its own update pairs them, every floating
+    tensor of the state dict averaged and the others (DiffMoE's update count) copied."""
     if hasattr(ema, "averaged"):
-        return ema.averaged, [local(p.detach()) for p in model.parameters() if p.requires_grad]
-    pairs = [(e, m) for e, m in zip(ema.module.state_dict().values(), model.state_dict().values()) if e.is_floating_point()]
-    return [e for e, _ in pairs], [m for _, m in pairs]
+        return ema.averaged, [local(p.detach()) for p in model.parameters() if p.requires_grad], []
+    pairs = list(zip(ema.module.state_dict().values(), model.state_dict().values()))
+    floats = [(e, m) for e, m in pairs if e.is_floating_point()]
+    return [e for e, _ in floats], [m for _, m in floats], [(e, m) for e, m in pairs if not e.is_floating_point()]
 
 
 class Guard:
@@ -66,10 +68,12 @@ class Guard:
     def _finite_ema(self, bad: torch.Tensor) -> None:
         """The EMA update of this step (self.step, counted from 1), by a weight that is 0 for a skipped step."""
         model = self.acc.unwrap_model(self.net)
-        averaged, current = ema_pairs(self.ema, model)
+        averaged, current, copied = ema_pairs(self.ema, model)
         weight = (~bad).to(averaged[0].dtype if averaged else torch.float32) * (1.0 - self.ema.get_decay(self.step))
         if averaged:
             torch._foreach_lerp_(averaged, current, [weight] * len(averaged))
+        for copy, source in copied:
+            copy.copy_(torch.where(bad, copy, source))
 
     def _count(self, bad: torch.Tensor, losses: torch.Tensor, aux: dict[str, torch.Tensor]) -> None:
         """Keep this step's flag and losses on the device until the next read."""
