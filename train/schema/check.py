@@ -364,8 +364,8 @@ def _check_finetune(cfg: DictConfig) -> None:
     if f.dtype == "bf16" and cfg.routing.fp32_after_route:
         raise ConfigError("routing.fp32_after_route=true runs a block in fp32, which bf16 base weights (finetune.dtype=bf16) cannot; "
                           "drop it, or keep the base in fp32 (finetune.dtype=fp32) with trainer.mixed_precision=bf16.")
-    if cfg.trainer.compile:
-        raise ConfigError(f"trainer.compile=true is not supported with {name} (only our own backbones compile per block); "
+    if cfg.trainer.compile not in (False, None, "off"):
+        raise ConfigError(f"trainer.compile={cfg.trainer.compile} is not supported with {name} (only our own backbones compile per block); "
                           "drop trainer.compile.")
 
 
