@@ -8,6 +8,8 @@ Selective scan, `backend="auto"` (the default):
 3. CPU tensors, or CUDA without Triton: our pure-PyTorch scan (`backbones/ops/selective_scan.py`).
 `backend="mamba_ssm" | "triton" | "torch"` forces one (an error if it cannot run); the environment
 variable TREAD_SCAN_BACKEND sets the default, so a training run can be switched without code changes.
+Under torch.compile `scan_fn` calls the custom op `torch.ops.tread.selective_scan` (selective_scan_op.py),
+which makes the same choice when it runs, and `conv_fn` the PyTorch conv, so a Mamba block is one graph.
 `backend="triton"` on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1; tests only).
 
 The CUDA kernels come with the `cuda` extra (`pip install -e '.[cuda]'`). They, and Triton, are imported
@@ -26,6 +28,7 @@ import torch
 
 from backbones.ops.causal_conv import causal_conv1d
 from backbones.ops.selective_scan import selective_scan
+from backbones.ops.selective_scan_op import selective_scan_compilable
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +75,36 @@ def triton_selective_scan() -> Callable | None:
 SCAN_BACKENDS = ("auto", "mamba_ssm", "triton", "torch")
 
 
+def resolve_backend(backend: str | None, on_cuda: bool) -> str:
+    """The implementation `backend` names for tensors on CUDA or not: "mamba_ssm", "triton" or "torch".
+
+    backend: one of SCAN_BACKENDS; None or "" reads TREAD_SCAN_BACKEND (default "auto", see the module docstring).
+    """
+    backend = backend or os.environ.get("TREAD_SCAN_BACKEND", "auto")
+    if backend not in SCAN_BACKENDS:
+        raise ValueError(f"selective scan backend must be one of {SCAN_BACKENDS}, got {backend!r}")
+    if backend in ("auto", "mamba_ssm"):
+        if on_cuda and cuda_selective_scan() is not None:
+            return "mamba_ssm"
+        if backend == "mamba_ssm":
+            raise RuntimeError("backend='mamba_ssm' needs CUDA tensors and mamba-ssm (pip install -e '.[cuda]')")
+    if backend == "triton" or (backend == "auto" and on_cuda):
+        if triton_selective_scan() is not None:
+            return "triton"
+        if backend == "triton":
+            raise RuntimeError("backend='triton' needs Triton, which ships with torch; `import triton` failed")
+    return "torch"
+
+
+_SCAN_NAMES = {"mamba_ssm": "mamba-ssm CUDA kernel", "triton": "Triton kernel", "torch": "pure-PyTorch chunked scan"}
+
+
+def scan_implementation(path: str) -> Callable:
+    """The function `resolve_backend`'s answer names (selective_scan_fn's positional signature); logs it once."""
+    _announce(f"selective scan: {_SCAN_NAMES[path]}")
+    return {"mamba_ssm": cuda_selective_scan, "triton": triton_selective_scan}.get(path, lambda: selective_scan)()
+
+
 def scan_fn(
     u: torch.Tensor,
     delta: torch.Tensor,
@@ -87,33 +120,23 @@ def scan_fn(
     """selective_scan_fn semantics (see backbones/ops/selective_scan.py) on the path `backend` names.
 
     backend: one of SCAN_BACKENDS; None reads TREAD_SCAN_BACKEND (default "auto", see the module docstring).
+    Under torch.compile the call becomes the custom op torch.ops.tread.selective_scan (selective_scan_op.py),
+    which resolves the backend the same way when it runs: one graph node instead of a graph break.
     """
-    backend = backend or os.environ.get("TREAD_SCAN_BACKEND", "auto")
-    if backend not in SCAN_BACKENDS:
-        raise ValueError(f"selective scan backend must be one of {SCAN_BACKENDS}, got {backend!r}")
-    args = (u, delta, A, B, C, D, z, delta_bias, delta_softplus)
-    if backend in ("auto", "mamba_ssm"):
-        kernel = cuda_selective_scan() if u.is_cuda else None
-        if kernel is not None:
-            _announce("selective scan: mamba-ssm CUDA kernel")
-            return kernel(*args)
-        if backend == "mamba_ssm":
-            raise RuntimeError("backend='mamba_ssm' needs CUDA tensors and mamba-ssm (pip install -e '.[cuda]')")
-    if backend == "triton" or (backend == "auto" and u.is_cuda):
-        kernel = triton_selective_scan()
-        if kernel is not None:
-            _announce("selective scan: Triton kernel")
-            return kernel(*args)
-        if backend == "triton":
-            raise RuntimeError("backend='triton' needs Triton, which ships with torch; `import triton` failed")
-    _announce("selective scan: pure-PyTorch chunked scan")
-    return selective_scan(*args)
+    if torch.compiler.is_compiling():
+        return selective_scan_compilable(u, delta, A, B, C, D, z, delta_bias, delta_softplus, backend or "")
+    path = resolve_backend(backend, u.is_cuda)
+    return scan_implementation(path)(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
 
 
 def conv_fn(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = None
 ) -> torch.Tensor:
     """causal_conv1d_fn semantics (see backbones/ops/causal_conv.py) on the fastest available path."""
+    # Under torch.compile the PyTorch conv: Inductor fuses its padding, bias and SiLU, where the extension's
+    # autograd.Function would break the graph.
+    if torch.compiler.is_compiling():
+        return causal_conv1d(x, weight, bias, activation)
     kernel = cuda_causal_conv1d() if x.is_cuda else None
     if kernel is not None:
         _announce("causal conv1d: causal-conv1d CUDA kernel")

@@ -2,10 +2,15 @@
 
     python -m train.bench.scan                      # B=8, L=256, D=768, N=16, 2 threads
     python -m train.bench.scan --device cuda        # adds our Triton kernel, and mamba-ssm's when installed
-    python -m train.bench.scan --device cuda --batch 64 --dim 768 --dtype bf16 --ref-repeats 0   # the issue's shape
+    python -m train.bench.scan --device cuda --batch 64 --dim 768 --dtype bf16   # the issue's shape
+    python -m train.bench.scan --count-kernels      # kernels of one Mamba block's training step, eager vs compiled
 
 Times forward and forward+backward of the same computation, y = selective_scan(u, delta, A, B, C, D) with
-delta = softplus(delta + delta_bias), and prints the ratios measured in this one run. mambapy (a pure-PyTorch
+delta = softplus(delta + delta_bias), and prints the ratios measured in this one run. Beside the Triton
+kernel's times it prints the bytes the kernels move and the programs they launch (counted from the kernel's
+layout, train.bench.timing.roofline) and, on a card of known bandwidth, the fraction of it achieved; the
+same counts for the reference shape b64 d768 L256 N16 are printed without running it, so a CPU shows them.
+The sequential reference is timed only where it is cheap (a line says when it is skipped). mambapy (a pure-PyTorch
 Mamba with a Blelloch parallel scan, `pip install mambapy`) is timed through its own
 `MambaBlock.selective_scan`; its inputs are transposed to its (B, L, D) layout outside the timed region.
 """
@@ -13,6 +18,7 @@ Mamba with a Blelloch parallel scan, `pip install mambapy`) is timed through its
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib.metadata
 import time
 from collections.abc import Callable
@@ -22,6 +28,57 @@ import torch.nn.functional as F
 
 from backbones.ops.cuda_kernels import cuda_selective_scan, triton_selective_scan
 from backbones.ops.selective_scan import num_chunks, selective_scan, selective_scan_ref
+from train.bench.timing import roofline
+
+REFERENCE = dict(b=64, d=768, length=256, n=16)  # the issue's shape: one direction of a Mamba-S/B mixer at batch 64
+# Largest b * d * l * n at which the sequential reference (autograd through one step at a time) is timed.
+_REF_ELEMENTS = {"cpu": 1 << 25, "cuda": 1 << 28}
+
+
+def triton_traffic(b: int, d: int, length: int, n: int, itemsize: int, block_d: int, groups: int = 1,
+                   has_z: bool = False, store: bool = True) -> dict[str, tuple[int, int]]:
+    """(bytes, programs) of the Triton scan's forward and backward, each tensor counted once (DRAM traffic when
+    the re-reads of B, C and delta_{t+1} hit the cache). D and delta_bias are present (d-sized, counted).
+
+    Forward reads u, delta (z) and B, C, writes out and, with `store`, the states entering chunks 2.. .
+    Backward reads u, delta, dout (z), B, C, states; writes du, ddelta (dz), the dB / dC partials (one (n, l)
+    row pair per program) and per-batch dA, dD, dbias, which torch then sums (read once, write the result).
+    """
+    from backbones.ops.selective_scan_triton import channels_per_program, states_shape, time_chunk
+
+    act, bc = b * d * length * itemsize, b * groups * n * length * itemsize  # one (b, d, l) / (b, g, n, l) tensor
+    states = 4 * b * d * n * (states_shape(b, d, length, n)[2]) if store else 0
+    params = 4 * (d * n + 2 * d)  # A, D, delta_bias
+    k = d // groups
+    fwd = (act * (3 + has_z) + 2 * bc + states + params, b * groups * -(-k // block_d))
+    time_chunk(length)  # (the chunk fixes the states' layout above)
+    parts = -(-k // channels_per_program(b, groups, k))
+    partials = 2 * 4 * b * groups * parts * n * length
+    per_batch = 4 * b * (d * n + 2 * d)
+    bwd_bytes = act * (5 + 2 * has_z) + 2 * bc + states + params + partials + per_batch  # the kernel
+    bwd_bytes += partials + 2 * bc + per_batch + params  # torch's sums over partials and the batch
+    return {"forward": fwd, "backward": (bwd_bytes, b * groups * parts)}
+
+
+def _tuned_block_d(kernel, default: int = 4) -> int:
+    """BLOCK_D the autotuner chose on its last run (the first config if it has not run)."""
+    config = getattr(kernel, "best_config", None) or kernel.configs[0]
+    return config.kwargs.get("BLOCK_D", default)
+
+
+def print_reference_counts(device: torch.device) -> None:
+    """The Triton kernel's bytes and programs at the reference shape, fp32 and bf16, without running it."""
+    from backbones.ops.selective_scan_triton import fwd_kernel
+
+    r = REFERENCE
+    block_ds = sorted({c.kwargs["BLOCK_D"] for c in fwd_kernel.configs})
+    for dtype, itemsize in (("fp32", 4), ("bf16", 2)):
+        t = {bd: triton_traffic(r["b"], r["d"], r["length"], r["n"], itemsize, bd) for bd in block_ds}
+        fwd, bwd = t[block_ds[0]]["forward"], t[block_ds[0]]["backward"]
+        programs = "-".join(f"{t[bd]['forward'][1]:,}" for bd in (block_ds[-1], block_ds[0]))
+        print(f"  reference b{r['b']} d{r['d']} L{r['length']} N{r['n']} {dtype}: forward {fwd[0] / 1e6:.1f} MB in "
+              f"{programs} programs (BLOCK_D {block_ds[-1]}..{block_ds[0]}, tuned); backward {roofline(*bwd, device=device)}; "
+              f"fwd+bwd {roofline(fwd[0] + bwd[0], fwd[1] + bwd[1], device=device)} (BLOCK_D {block_ds[0]})")
 
 
 def _once(fn: Callable[[], torch.Tensor], backward: bool, device: torch.device) -> float:
@@ -49,6 +106,79 @@ def _mambapy_scan() -> Callable | None:
     return lambda x, delta, A, B, C, D: MambaBlock.selective_scan(None, x, delta, A, B, C, D)
 
 
+def _launches(name: str) -> bool:
+    """Whether the op `name` (a profiler event) launches a kernel: not a view, not a bare allocation."""
+    if "cpp_fused" in name or name.startswith("triton_"):  # a kernel Inductor generated (graph_0_cpp_fused_...)
+        return True
+    namespace, _, op = name.partition("::")
+    packet = getattr(getattr(torch.ops, namespace, None), op, None) if namespace in ("aten", "tread") else None
+    if packet is None or op in ("empty", "empty_like", "empty_strided", "new_empty", "detach", "lift_fresh", "reshape"):
+        return False
+    return not any(getattr(packet, overload).is_view for overload in packet.overloads())
+
+
+def _count_kernels(step: Callable[[], None]) -> collections.Counter:
+    """Kernels one call of `step` launches, from the profiler: ops not inside another op (an op's own calls are
+    its implementation; a custom op counts once) that launch a kernel, and Inductor's generated kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    counts: collections.Counter = collections.Counter()
+    for event in prof.events():
+        parent, nested = event.cpu_parent, False
+        while parent is not None and not nested:
+            nested = "::" in parent.name and parent.name.split("::")[0] in ("aten", "tread")
+            parent = parent.cpu_parent
+        if not nested and _launches(event.name):
+            counts[event.name] += 1
+    return counts
+
+
+def print_block_kernel_counts(device: torch.device) -> None:
+    """Kernels of one Mamba block's forward + backward (tiny: width 64, 16 tokens), eager and compiled.
+
+    The scan is its custom op in both (1 node forward, 1 backward; on a GPU these are the Triton kernels, plus
+    5 small sums in backward). Compiled: Inductor, fullgraph, its generated kernels plus the library calls.
+    """
+    import backbones.mamba as mamba
+    from backbones.ops.selective_scan_op import selective_scan_compilable
+
+    torch.manual_seed(0)
+    block = mamba.Block(hidden_size=64, layer_idx=0, depth=1).to(device)
+    x, c = torch.randn(2, 16, 64, device=device), torch.randn(2, 64, device=device)
+
+    def step(module) -> Callable[[], None]:
+        def run() -> None:
+            block.zero_grad(set_to_none=True)  # the first backward writes .grad; no accumulation kernels
+            module(x, c, (4, 4)).square().mean().backward()
+
+        return run
+
+    def summary(counts: collections.Counter) -> str:
+        grouped = collections.Counter()
+        for name, count in counts.items():
+            grouped["generated by Inductor" if "cpp_fused" in name or name.startswith("triton_") else name] += count
+        return f"{sum(counts.values())} kernels ({', '.join(f'{k} {v}' for k, v in grouped.most_common(9))}, ...)"
+
+    eager_scan, mamba.scan_fn = mamba.scan_fn, selective_scan_compilable  # the op in eager too: counted as one
+    try:
+        step(block)()  # warm-up
+        eager = _count_kernels(step(block))
+    finally:
+        mamba.scan_fn = eager_scan
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    with inductor_config.patch({"cpp.enable_kernel_profile": True}):  # Inductor's kernels show in the profiler
+        compiled_block = torch.compile(block, fullgraph=True)
+        step(compiled_block)()  # compiles forward and backward
+        compiled = _count_kernels(step(compiled_block))
+    print(f"Mamba block (width 64, 16 tokens, {device}), one forward + backward:")
+    print(f"  eager: {summary(eager)}")
+    print(f"  compiled: {summary(compiled)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m train.bench.scan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8)
@@ -60,7 +190,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="cuda adds our Triton kernel, and mamba-ssm's when it is installed")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="dtype of u, delta, B, C (state and sums stay fp32)")
+    parser.add_argument("--count-kernels", action="store_true", help="count the kernels of one Mamba block's training "
+                        "step, eager and compiled, instead of timing the scan")
     args = parser.parse_args()
+    if args.count_kernels:
+        print_block_kernel_counts(torch.device(args.device))
+        return
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     device = torch.device(args.device)
@@ -83,8 +218,13 @@ def main() -> None:
     chunks = num_chunks(l, b * d * n, device.type == "cuda")
     path = f"chunked ({chunks} chunks)" if device.type == "cuda" or chunks > 1 else "streaming"
     print(f"ours takes the {path} path")
+    print("Triton kernel, counted from its layout (not run):")
+    print_reference_counts(device)
     rows = {"ours": (ours, args.repeats)}
-    if args.ref_repeats > 0:
+    if args.ref_repeats > 0 and b * d * l * n > _REF_ELEMENTS.get(device.type, 0):
+        print(f"sequential reference skipped: b*d*L*N = {b * d * l * n:,} is above {_REF_ELEMENTS.get(device.type, 0):,} "
+              f"on {device.type}, where one step at a time takes seconds (--ref-repeats 0 silences this)")
+    elif args.ref_repeats > 0:
         rows["sequential reference"] = (ref, args.ref_repeats)
     kernel = cuda_selective_scan() if device.type == "cuda" else None
     if kernel is not None:
@@ -126,7 +266,15 @@ def main() -> None:
                 times[name].append((_once(fn, False, device), _once(fn, True, device)))
     best = {name: (min(t[0] for t in ts), min(t[1] for t in ts)) for name, ts in times.items()}
     for name, (fwd, both) in best.items():
-        print(f"{name:22s} fwd {fwd * 1e3:8.1f} ms   fwd+bwd {both * 1e3:8.1f} ms   (min of {len(times[name])})")
+        print(f"{name:22s} fwd {fwd * 1e3:9.3f} ms   fwd+bwd {both * 1e3:9.3f} ms   (min of {len(times[name])})")
+        if name == "Triton":
+            from backbones.ops.selective_scan_triton import fwd_kernel
+
+            t = triton_traffic(b, d, l, n, u.element_size(), _tuned_block_d(fwd_kernel), store=False)
+            t_train = triton_traffic(b, d, l, n, u.element_size(), _tuned_block_d(fwd_kernel))
+            total = (t_train["forward"][0] + t_train["backward"][0], t_train["forward"][1] + t_train["backward"][1])
+            print(f"{'':22s} fwd: {roofline(*t['forward'], fwd, device)}")
+            print(f"{'':22s} fwd+bwd: {roofline(*total, both, device)}")
     base_fwd, base_both = best["ours"]
     for name, (fwd, both) in best.items():
         if name != "ours":
