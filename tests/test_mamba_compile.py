@@ -14,23 +14,29 @@ from backbones.mamba import Block
 from backbones.ops import selective_scan_triton as sst
 
 
-def _block(seed: int = 0) -> Block:
+def _device(backend: str) -> str:
+    """The Triton path on a GPU machine runs the compiled kernels, which take CUDA tensors only."""
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+
+
+def _block(seed: int = 0, device: str = "cpu") -> Block:
     """A tiny block whose zero-initialised modulation is randomised, so the mixer shapes the loss from step 0."""
     torch.manual_seed(seed)
     block = Block(hidden_size=16, layer_idx=0, depth=1, d_state=4, mlp_ratio=2.0)
     with torch.no_grad():
         block.adaLN.proj[1].weight.normal_(0, 0.1)
-    return block
+    return block.to(device)
 
 
-def _batch(seed: int = 1):
+def _batch(seed: int = 1, device: str = "cpu"):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(2, 12, 16, generator=g), torch.randn(2, 16, generator=g)  # tokens (B, L, D), condition (B, D)
+    x, c = torch.randn(2, 12, 16, generator=g), torch.randn(2, 16, generator=g)  # tokens (B, L, D), condition (B, D)
+    return x.to(device), c.to(device)
 
 
-def _losses(block, steps: int) -> list[float]:
+def _losses(block, steps: int, device: str = "cpu") -> list[float]:
     """Losses of `steps` SGD steps on a fixed batch."""
-    x, c = _batch()
+    x, c = _batch(device=device)
     opt = torch.optim.SGD(block.parameters(), lr=0.5)
     losses = []
     for _ in range(steps):
@@ -49,8 +55,7 @@ def _scan_args(backend: str):
                -(torch.rand(d, n, generator=g) + 0.1), torch.randn(b, n, length, generator=g),
                torch.randn(b, n, length, generator=g), torch.randn(d, generator=g), torch.randn(b, d, length, generator=g),
                torch.randn(d, generator=g) * 0.3]
-    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
-    return (*(t.to(device).requires_grad_() for t in tensors), True, backend)
+    return (*(t.to(_device(backend)).requires_grad_() for t in tensors), True, backend)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -81,8 +86,8 @@ def test_block_compiles_without_graph_break(monkeypatch, backend):
     """Dynamo alone (no code generation): one graph for the block's forward, the scan a single op node."""
     monkeypatch.setenv("TREAD_SCAN_BACKEND", backend)
     torch._dynamo.reset()
-    x, c = _batch()
-    explained = torch._dynamo.explain(_block())(x, c, (3, 4))
+    x, c = _batch(device=_device(backend))
+    explained = torch._dynamo.explain(_block(device=_device(backend)))(x, c, (3, 4))
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
     ops = [str(node.target) for graph in explained.graphs for node in graph.graph.nodes]
@@ -112,6 +117,7 @@ def test_compiled_block_on_the_triton_path_trains_like_eager(monkeypatch):
     """The same through the Triton kernels (AOT autograd), with eager on the Triton path as the reference."""
     monkeypatch.setenv("TREAD_SCAN_BACKEND", "triton")
     torch._dynamo.reset()
-    eager = _losses(_block(), steps=2)
-    compiled = _losses(torch.compile(_block(), backend="aot_eager", fullgraph=True), steps=2)
+    device = _device("triton")
+    eager = _losses(_block(device=device), steps=2, device=device)
+    compiled = _losses(torch.compile(_block(device=device), backend="aot_eager", fullgraph=True), steps=2, device=device)
     assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)
