@@ -6,6 +6,7 @@
     python -m train.sample runs/X --moe-target 1.0                         # DiffMoE: 1 expert per token on average
     python -m train.sample runs/X --pdg-scale 2                            # SPRINT: path-drop guidance instead of CFG
     python -m train.sample runs/flux-lora --prompt "a photo of sks dog" --size 768x1024   # fine-tuned text-to-image runs
+    python -m train.sample runs/flux-lora --prompts-file prompts.txt       # one prompt per line (sample.prompts' file)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from train.build import objective_name, sampling_objective
 from train.checkpoint import load_run, resolve_checkpoint
 from train.cli import ArgumentParser, add_sampling_rule_flags, bounded, check_sampling_rule_flags, device, friendly_errors, writable_file
 from train.data.prompts import encode_table, text_pipeline_of
+from train.data.validation_prompts import read_prompts_file, require_text_family
 from train.grid import VIDEO_SUFFIXES, grid_labels, save_grid
 from train.logger import recipe
 
@@ -43,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--classes", type=int, nargs="*", help="class ids to sample (default: all)")
     parser.add_argument("--prompt", action="append", help="a prompt to sample (repeat for more; one grid row each): fine-tuned "
                         "text-to-image runs, encoded with the text encoders the run was conditioned with")
+    parser.add_argument("--prompts-file", help="a text file with one prompt per line (the format of sample.prompts): one grid row "
+                        "per prompt, as --prompt")
     parser.add_argument("--flux-guidance", type=bounded(float, 0, 100, example="--flux-guidance 3.5"),
                         help="Flux's distilled guidance for a guidance-embedding model (FLUX.1-dev; default: the run's finetune.guidance)")
     parser.add_argument("--size", type=pixel_size, help="image size WIDTHxHEIGHT in pixels (captioned runs; default: their most "
@@ -57,6 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "and the command refuses)")
     args = parser.parse_args(argv)
     check_sampling_rule_flags(parser, args)
+    if args.prompts_file is not None:
+        if args.prompt:
+            parser.error("give --prompt or --prompts-file, not both")
+        # Read now: the default file name carries the digest of the prompts' text, whichever flag gave them.
+        args.prompt = read_prompts_file(args.prompts_file, "--prompts-file")
     return args
 
 
@@ -80,8 +89,10 @@ def main(argv: list[str] | None = None) -> Path:
     ds, net, router = loaded.dataset, loaded.net, loaded.net.model.router
     classes, shape = ds.num_classes, latent_shape(ds, args.size)
     if args.prompt:
+        flag = "--prompts-file" if args.prompts_file else "--prompt"
         if args.classes:
-            raise ConfigError("give --prompt or --classes, not both.")
+            raise ConfigError(f"give {flag} or --classes, not both.")
+        require_text_family(loaded.cfg, flag, "sample its classes with --classes")
         # Encoded as the run's own conditioning was: the same text encoders and number of text tokens.
         table = encode_table(loaded.cfg.finetune.family, text_pipeline_of(loaded.cfg), args.prompt, device=args.device,
                              like=net.model.encoder_hidden_states)

@@ -51,7 +51,7 @@ class TrainerConfig:
     log_with: Any = key("tensorboard", "experiment trackers through accelerate: none | tensorboard | wandb | mlflow | comet_ml | "
                         "clearml | dvclive | swanlab | trackio, or a list; offline where the tracker has a mode (wandb)",
                         example="[tensorboard,wandb]")
-    sample_every: int = key(500, "steps between preview grids (0: off)", ge=0, example=1000)
+    sample_every: int = key(500, "steps between preview grids (0: off); sample.every, when set, replaces it", ge=0, example=1000)
     ckpt_every: int = key(500, "steps between checkpoints, plus one at the end (0: no checkpoints)", ge=0, example=1000)
     keep_checkpoints: int = key(2, "checkpoints kept in run_dir/checkpoints (the newest; the one `latest` names is never deleted)", ge=1, example=3)
     max_bad_steps: int = key(20, "consecutive steps with a non-finite loss or gradient (each skipped) before the run stops", ge=1, example=50)

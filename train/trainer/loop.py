@@ -18,10 +18,12 @@ from edm import generate
 from train.build import describe_finetuning, finetune_family, sampling_objective
 from train.checkpoint import NonFiniteWeights, save_checkpoint
 from train.cli import RunStopped, is_disk_full
+from train.data.validation_prompts import conditioned_on
 from train.distributed import ShardedEma
 from train.files import write_atomic
 from train.grid import grid_labels, save_grid
 from train.logger import recipe
+from train.schema.sample import preview_every
 
 
 class Loop:
@@ -31,13 +33,13 @@ class Loop:
         """Whether step `step` reads the device: always outside `fit`; in it, where it logs, checkpoints, samples or ends."""
         if not self.in_loop:
             return True
-        t, every = self.cfg.trainer, self.cfg.fid.every
+        t, every, previews = self.cfg.trainer, self.cfg.fid.every, preview_every(self.cfg)
         return (step % t.log_every == 0 or step >= t.max_steps or bool(t.ckpt_every and step % t.ckpt_every == 0)
-                or bool(t.sample_every and step % t.sample_every == 0) or bool(every and step % every == 0))
+                or bool(previews and step % previews == 0) or bool(every and step % every == 0))
 
     def fit(self) -> list[float]:
         """Train to trainer.max_steps (or trainer.max_minutes); returns the loss of every step run."""
-        cfg, t = self.cfg, self.cfg.trainer
+        cfg, t, previews = self.cfg, self.cfg.trainer, preview_every(self.cfg)
         if self.acc.is_main_process:
             self._write("config.yaml", lambda: write_atomic(self.run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True)))
         params = sum(p.numel() for p in self.backbone.parameters())
@@ -75,7 +77,7 @@ class Loop:
                 # newest step was non-finite: the weights that produced it must not rotate out good ones.
                 if t.ckpt_every and (self.step % t.ckpt_every == 0 or last) and not self.bad_streak:
                     self.save()
-                if t.sample_every and (self.step % t.sample_every == 0 or last):
+                if previews and (self.step % previews == 0 or last):
                     self.sample_grid()
                 if cfg.fid.every and (self.step % cfg.fid.every == 0 or last):
                     self.evaluate_fid()
@@ -156,13 +158,14 @@ class Loop:
         path = self.run_dir / "samples" / f"step_{self.step:07d}.png"
         # A sharded model samples on every process (each forward gathers its weights); the main one writes the grid.
         if self.acc.is_main_process or isinstance(self.ema, ShardedEma):
-            # One row per class; a captioned set shows its first captions.
-            labels = grid_labels(getattr(self.dataset, "preview_classes", self.dataset.num_classes), s.per_class)
-            with self._ema_net() as ema:
+            # One row per class; a captioned set shows its first captions, or sample.prompts (null label: the empty prompt).
+            with self._ema_net() as ema, conditioned_on(ema.model, self.validation) as prompts:
                 ema = ema.eval()
+                rows = prompts or getattr(self.dataset, "preview_classes", self.dataset.num_classes)
+                labels = grid_labels(rows, s.per_class)
                 objective = sampling_objective(self.cfg, self.objective, self.backbone, self.dataset.shape)
                 x = generate(ema, labels, shape=self.dataset.shape, steps=s.steps, guidance=s.guidance, seed=s.seed,
-                             device=self.acc.device, null_label=self.dataset.num_classes, objective=objective,
+                             device=self.acc.device, null_label=prompts or self.dataset.num_classes, objective=objective,
                              router=ema.model.router)
             if self.acc.is_main_process:
                 path = self._write(f"the sample grid {path.name}", save_grid, self.dataset.to_images(x), path, s.per_class)

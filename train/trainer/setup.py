@@ -24,11 +24,13 @@ from train.checkpoint import recover_checkpoints
 from train.data import build_dataset
 from train.data.prefetch import Prefetcher
 from train.data.prompts import check_table
+from train.data.validation_prompts import check_validation_prompts, encode_validation
 from train.distributed import ShardedEma, shard_blocks
 from train.files import read_metrics
 from train.logger import MetricsLogger
 from train.rundir import HydraRecord, move_aside, refuse_used
 from train.schema import check_config as schema_check
+from train.schema.sample import preview_every
 
 
 def flat_settings(cfg: DictConfig) -> dict:
@@ -68,7 +70,7 @@ def check_config(cfg: DictConfig, num_processes: int = 1, device: torch.device |
     if t.mixed_precision == "fp16" and device is not None and device.type != "cuda":
         raise ConfigError(f"trainer.mixed_precision=fp16 needs a CUDA GPU, but this run is on the {device.type} (where it would "
                           "silently run in fp32); use trainer.mixed_precision=bf16 or no.")
-    if t.sample_every and cfg.data.name == "latents":
+    if preview_every(cfg) and cfg.data.name == "latents":
         from train.data.latents import check_vae
 
         check_vae(cfg.data)  # a missing VAE folder fails now, not at the first preview grid
@@ -82,6 +84,7 @@ def check_config(cfg: DictConfig, num_processes: int = 1, device: torch.device |
         check_reference(cfg.fid.ref, cfg.fid.inception)  # not after the first round of FID samples
     if finetune_family(cfg) and cfg.finetune.prompts is not None:
         check_table(cfg.finetune.prompts, cfg.finetune.family)  # before the pretrained weights load
+    check_validation_prompts(cfg)  # sample.prompts: its file, a text-to-image run, and that run's text encoders
 
 
 class SetUp:
@@ -103,6 +106,9 @@ class SetUp:
             raise ConfigError(f"data.name='{cfg.data.name}' has no samples; check data.path.")
         set_seed(cfg.seed)  # identical initial weights on every process and every run with this seed
         net = build_net(cfg, self.dataset)
+        # sample.prompts, encoded once where previews are sampled (the main process; every process of a sharded run).
+        here = preview_every(cfg) and (self.acc.is_main_process or self.acc.is_fsdp2)
+        self.validation = encode_validation(cfg, net.model, self.acc.device, self.acc.print) if here else None
         self.backbone = net.model
         self.micro_batch = t.batch_size // (self.acc.num_processes * t.grad_accum)
         self.objective = objective_for(cfg)
