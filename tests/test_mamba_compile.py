@@ -12,6 +12,7 @@ import torch
 
 from backbones.mamba import Block
 from backbones.ops import selective_scan_triton as sst
+from test_selective_scan_triton import fast_interpreter_scan  # noqa: F401  (autouse: the interpreter's scan, sped up)
 
 
 def _device(backend: str) -> str:
@@ -111,7 +112,7 @@ def test_compiled_block_trains_like_eager(compiler):
     assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)
 
 
-@pytest.mark.slow  # the interpreter runs the kernels of 2 steps x 2 directions, eager and compiled (~90 s)
+@pytest.mark.slow  # the interpreter runs the kernels of 2 steps x 2 directions, eager and compiled (~20 s of CPU)
 @pytest.mark.skipif(not sst._INTERPRETED and not torch.cuda.is_available(), reason="needs a GPU or the interpreter")
 def test_compiled_block_on_the_triton_path_trains_like_eager(monkeypatch):
     """The same through the Triton kernels (AOT autograd), with eager on the Triton path as the reference."""
