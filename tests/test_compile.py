@@ -25,6 +25,7 @@ CASES = {
     "sprint": ("dit", "structured", [Route(0.75, 1, 2, mode="sprint", path_drop=0.25)]),
     "diffmoe": ("diffmoe", "random", [Route(0.5, 1, 2)]),  # global pool, its capacity predictor and threshold EMA
     "mamba": ("mamba", "structured", [Route(0.75, 1, 2, mode="sprint", path_drop=0.25)]),  # the selective scan as one op
+    "rwkv": ("rwkv", "structured", [Route(0.75, 1, 2, mode="sprint", path_drop=0.25)]),  # the Bi-WKV scan as one op
 }
 
 
