@@ -20,10 +20,10 @@ def _device(backend: str) -> str:
     return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
 
 
-def _block(seed: int = 0, device: str = "cpu") -> Block:
+def _block(seed: int = 0, device: str = "cpu", layer_idx: int = 0, scan_order: str = "row") -> Block:
     """A tiny block whose zero-initialised modulation is randomised, so the mixer shapes the loss from step 0."""
     torch.manual_seed(seed)
-    block = Block(hidden_size=16, layer_idx=0, depth=1, d_state=4, mlp_ratio=2.0)
+    block = Block(hidden_size=16, layer_idx=layer_idx, depth=2, d_state=4, mlp_ratio=2.0, scan_order=scan_order)
     with torch.no_grad():
         block.adaLN.proj[1].weight.normal_(0, 0.1)
     return block.to(device)
@@ -82,13 +82,17 @@ def test_op_gradients_equal_the_eager_scan():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_block_compiles_without_graph_break(monkeypatch, backend):
-    """Dynamo alone (no code generation): one graph for the block's forward, the scan a single op node."""
+@pytest.mark.parametrize("backend,layer_idx", [("torch", 0), ("triton", 0), ("torch", 1)],
+                         ids=["torch", "triton", "column_major"])
+def test_block_compiles_without_graph_break(monkeypatch, backend, layer_idx):
+    """Dynamo alone (no code generation): one graph for the block's forward, the scan a single op node; also for
+    the second layer of scan_order=alternate, which permutes the tokens into column-major order and back."""
     monkeypatch.setenv("TREAD_SCAN_BACKEND", backend)
     torch._dynamo.reset()
     x, c = _batch(device=_device(backend))
-    explained = torch._dynamo.explain(_block(device=_device(backend)))(x, c, (3, 4))
+    block = _block(device=_device(backend), layer_idx=layer_idx, scan_order="alternate")
+    assert block.order == ("row", "col")[layer_idx]
+    explained = torch._dynamo.explain(block)(x, c, (3, 4))
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
     ops = [str(node.target) for graph in explained.graphs for node in graph.graph.nodes]
