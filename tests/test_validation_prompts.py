@@ -60,9 +60,10 @@ def test_previews_show_the_file_prompts_as_train_sample_does(pipeline, tmp_path)
     data, run = captioned_folder(tmp_path / "data"), tmp_path / "run"
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(f"{PROMPTS[0]}\n\n  {PROMPTS[1]}  \n")  # blank lines and surrounding spaces are dropped
-    # FAST turns trainer.sample_every off; sample.every=2 gives a preview at step 2 only, beside its checkpoint.
+    # FAST turns trainer.sample_every off; sample.every=2 gives a preview at step 2 only, beside its checkpoint. CFG (w=2)
+    # draws on the null label, which is the validation table's empty prompt (row 2), not the captions' (row 3).
     trainer = Trainer(compose_cfg(*overrides(pipeline, data, run, f"sample.prompts={prompts}", "sample.every=2",
-                                             "trainer.ckpt_every=2")))
+                                             "trainer.ckpt_every=2", "sample.guidance=2")))
     assert trainer.dataset.captions == sorted(CAPTIONS.values())
     assert trainer.validation.prompts == [*PROMPTS, ""]  # the file's order; row P is the empty prompt (CFG's null label)
     ema = trainer.ema.module.model  # the EMA's own PromptConditioned, which the previews sample
@@ -75,7 +76,7 @@ def test_previews_show_the_file_prompts_as_train_sample_does(pipeline, tmp_path)
 
     # The same prompts sampled from the checkpoint (EMA weights, the preview's steps, seed and guidance) give the same grid:
     # one row per prompt, in the file's order. Today's preview has a row per caption (3 rows, not 2).
-    common = ["--per-class", "1", "--steps", "2", "--seed", "0", "--guidance", "1"]
+    common = ["--per-class", "1", "--steps", "2", "--seed", "0", "--guidance", "2"]
     by_file = run_cli("train.sample", str(run), "--prompts-file", str(prompts), *common)
     assert by_file.returncode == 0, by_file.stderr[-2000:]
     written = run / "checkpoints" / "step_0000002" / by_file.stdout.strip().splitlines()[-1].split()[1]
