@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
 from PIL import Image
 
 from routing import ConfigError
@@ -56,13 +57,14 @@ def test_sample_every_replaces_trainer_sample_every_when_set():
     assert preview_every(compose_cfg("+experiment=finetune_flux", "sample.every=0")) == 0  # off, whatever the experiment says
 
 
-def test_previews_show_the_file_prompts_as_train_sample_does(pipeline, tmp_path):
+def test_previews_show_the_file_prompts_as_train_sample_does(pipeline, tmp_path, monkeypatch):
     data, run = captioned_folder(tmp_path / "data"), tmp_path / "run"
     prompts = tmp_path / "prompts.txt"
+    monkeypatch.chdir(tmp_path)  # the file is named relative to here; the run's config.yaml stores its absolute path
     prompts.write_text(f"{PROMPTS[0]}\n\n  {PROMPTS[1]}  \n")  # blank lines and surrounding spaces are dropped
     # FAST turns trainer.sample_every off; sample.every=2 gives a preview at step 2 only, beside its checkpoint. CFG (w=2)
     # draws on the null label, which is the validation table's empty prompt (row 2), not the captions' (row 3).
-    trainer = Trainer(compose_cfg(*overrides(pipeline, data, run, f"sample.prompts={prompts}", "sample.every=2",
+    trainer = Trainer(compose_cfg(*overrides(pipeline, data, run, "sample.prompts=prompts.txt", "sample.every=2",
                                              "trainer.ckpt_every=2", "sample.guidance=2")))
     assert trainer.dataset.captions == sorted(CAPTIONS.values())
     assert trainer.validation.prompts == [*PROMPTS, ""]  # the file's order; row P is the empty prompt (CFG's null label)
@@ -71,6 +73,7 @@ def test_previews_show_the_file_prompts_as_train_sample_does(pipeline, tmp_path)
     trainer.fit()
     assert sorted(p.name for p in (run / "samples").iterdir()) == ["step_0000002.png"]
     preview = pixels(run / "samples" / "step_0000002.png")
+    assert OmegaConf.load(run / "config.yaml").sample.prompts == str(prompts)
     # The preview left the training conditioning (the captions' table) as it was, in the trained net and in the EMA.
     assert trainer.backbone.encoder_hidden_states is tables[0] and ema.encoder_hidden_states is tables[1] and ema.num_classes == 3
 

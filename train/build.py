@@ -100,6 +100,9 @@ def absolute_paths(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, path)
         if value is not None and value != "pixels":
             OmegaConf.update(cfg, path, str(Path(str(value)).expanduser().resolve()))
+    prompts = OmegaConf.select(cfg, "sample.prompts")
+    if isinstance(prompts, str):  # a file of validation prompts (a list of them stays as it is)
+        OmegaConf.update(cfg, "sample.prompts", str(Path(prompts).expanduser().resolve()))
 
 
 def build_finetuned(cfg: DictConfig, dataset) -> nn.Module:
