@@ -51,7 +51,7 @@ def test_a_change_that_moves_parameters_or_a_fusing_route_is_refused_before_any_
     with pytest.raises(ConfigError) as err:
         resume(sprint_run, *overrides)
     message = str(err.value)
-    assert named in message and "cannot change on resume" in message and "\n" not in message
+    assert named in message and "does not fit this model: it was trained with other values of keys" in message and "\n" not in message
     assert folder_hash(sprint_run) == before
 
 
@@ -85,3 +85,13 @@ def test_every_difference_lands_in_exactly_one_class():
     assert [c.split(":")[0] for c in changes.refused] == ["seed"]
     assert sorted(c.split(":")[0] for c in changes.warned) == ["edm.P_mean", "trainer.batch_size"]
     assert sorted(c.split(":")[0] for c in changes.applied) == ["routing.routes[0].selection_ratio", "trainer.lr", "trainer.max_steps"]
+
+
+def test_the_refusal_is_one_sentence_naming_parameter_keys_and_meaning_keys_apart():
+    from train.trainer.changes import refusal
+
+    message = refusal("runs/x/checkpoints/step_0000002", ["routing.policy: 'structured' -> 'random'", "seed: 0 -> 1"])
+    assert message == ("checkpoint 'runs/x/checkpoints/step_0000002' does not fit this model: it was trained with other values of "
+                       "keys that add, remove or move parameters (routing.policy: 'structured' -> 'random') and was trained with "
+                       "other values of keys that cannot change on resume (seed: 0 -> 1); resume with the saved values or start "
+                       "a new run_dir.")

@@ -27,6 +27,9 @@ WARN = {
                           "uninterrupted one",
     "trainer.mixed_precision": "the step's numerics change from here on",
 }
+# Refused keys whose change adds, removes or moves parameters (or what a parameter belongs to): the checkpoint does not
+# fit the model this config builds. The others (the seed, edm.sigma_data) change what the weights mean.
+PARAMETER_KEYS = ("backbone.", "data.", "objective.", "finetune.", "routing.")
 FUSING_ROUTE = "the SPRINT route's fusion layer was trained on this policy's token layout"
 
 
@@ -63,3 +66,14 @@ def classify(saved: Any, current: Any) -> Changes:
         else:
             out.applied.append(change)
     return out
+
+
+def refusal(path: Any, refused: list[str]) -> str:
+    """The one sentence that refuses a resume: the keys that do not fit the model, then those that cannot change."""
+    fit = [c for c in refused if c.startswith(PARAMETER_KEYS)]
+    meaning = [c for c in refused if not c.startswith(PARAMETER_KEYS)]
+    parts = ([f"does not fit this model: it was trained with other values of keys that add, remove or move parameters "
+              f"({'; '.join(fit)})"] if fit else []) + \
+            ([f"was trained with other values of keys that cannot change on resume ({'; '.join(meaning)})"] if meaning else [])
+    return f"checkpoint '{path}' {' and '.join(parts)}; resume with the saved values or start a new run_dir."
+

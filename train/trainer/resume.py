@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from routing import ConfigError
 from train.checkpoint import latest_checkpoint, load_checkpoint, load_trained_state
 from train.distributed import optimizer_from_names, shard_optimizer_state
-from train.trainer.changes import Changes, classify
+from train.trainer.changes import Changes, classify, refusal
 
 
 class Resume:
@@ -65,8 +65,7 @@ class Resume:
         one sentence naming each key and the value it was trained with."""
         changes = classify(saved_cfg, self.cfg)
         if changes.refused:
-            raise ConfigError(f"checkpoint '{path}' was trained with other values of keys that cannot change on resume "
-                              f"({'; '.join(changes.refused)}); resume with the saved values or start a new run_dir.")
+            raise ConfigError(refusal(path, changes.refused))
         return changes
 
     def _apply_resume_changes(self, changes: Changes) -> None:
