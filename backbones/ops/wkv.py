@@ -33,16 +33,12 @@ bf16 / fp16 inputs are computed in fp32 and returned in their dtype.
 
 from __future__ import annotations
 
-import functools
-import logging
-from collections.abc import Callable
+import importlib.util
 
 import torch
 import torch.nn.functional as F
 
 from backbones.ops.autocast import fp32_operator
-
-log = logging.getLogger(__name__)
 
 # Largest |w| L inside one chunk: every decay factor within a chunk stays inside e^{+-12}.
 _MAX_CHUNK_DECAY = 12.0
@@ -147,106 +143,112 @@ def _from_chunks(x: torch.Tensor, T: int) -> torch.Tensor:
     return x.reshape(C, B * n * L).t().contiguous().view(B, n * L, C)[:, :T]  # (C, B nL) -> (B nL, C) -> (B, nL, C)
 
 
+def chunked_forward(
+    w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_len: int
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], tuple[int, int]]:
+    """The chunked op's forward: y (B, T, C), the tensors its backward needs and (T, L)."""
+    B, T, C = k.shape
+    L, n = _chunking(w, T, chunk_len)
+    op, op_carry, to_carry, dist = _chunk_matrices(w, u, L)
+    # A padded key is -inf, so its weight e^{k - m} is exactly 0.
+    k = _to_chunks(k, n, L, float("-inf"))
+    v = _to_chunks(v, n, L, 0.0)
+
+    # Token weights under each chunk's key max: X[:, 0] = e^{k - m}, X[:, 1] = e^{k - m} v.
+    m = k.amax(dim=-1)  # (C, B, n)
+    X = torch.empty(C, 2, B, n, L, device=k.device, dtype=k.dtype)
+    torch.exp(k - m[..., None], out=X[:, 0])
+    torch.mul(X[:, 0], v, out=X[:, 1])
+    X_mat = X.view(C, 2 * B * n, L)  # (C, 2, B, n, L) -> (C, 2Bn, L)
+
+    # What each chunk adds to its neighbours' carries, then the carries themselves.
+    S = torch.bmm(X_mat, to_carry).view(C, 2, B, n, 2)  # (C, 2Bn, 2) -> (C, 2, B, n, 2)
+    # The right carry runs from the last chunk, so its chunk order is reversed to reuse one scan.
+    S = torch.stack([S[..., 0], S[..., 1].flip(-1)])  # (2, C, 2, B, n)
+    m2 = torch.stack([m, m.flip(-1)])  # (2, C, B, n)
+    h, M, f, g = _carry_scan(S, m2, L * w)
+    h = torch.stack([h[0], h[1].flip(-1)])  # (2, C, B, n), back to chunk order
+    M = torch.stack([M[0], M[1].flip(-1)])  # (2, C, 2, B, n)
+
+    # Carries as two more columns of the chunk, under the tokens' scale m. Where a carry exceeds the
+    # tokens by more than e^_CARRY_CAP it is scaled down to that cap: the tokens then weigh e^{-cap}
+    # times the carry (at most e^{-cap + 2 * 12 + 2} L ~ 1e-14 of the output) instead of less.
+    carry_scale = torch.exp(h - torch.maximum(m, h.amax(dim=0) - _CARRY_CAP))  # (2, C, B, n)
+    V = (M * carry_scale[:, :, None]).permute(1, 2, 3, 4, 0)  # (2, C, 2, B, n) -> (C, 2, B, n, 2)
+    V_mat = V.reshape(C, 2 * B * n, 2)  # (C, 2, B, n, 2) -> (C, 2Bn, 2)
+
+    # Every output of a chunk from its L tokens and two carries: batched matmuls per channel.
+    Y = torch.bmm(X_mat, op).baddbmm_(V_mat, op_carry).view(C, 2, B, n, L)  # (C, 2Bn, L) -> (C, 2, B, n, L)
+    y = Y[:, 1] / Y[:, 0]
+
+    return _from_chunks(y, T), (op, op_carry, to_carry, dist, X, V_mat, Y[:, 0], y, carry_scale, M, f, g), (T, L)
+
+
+@fp32_operator  # the engine may replay the forward's autocast state in backward (CUDA)
+def chunked_backward(
+    saved: tuple[torch.Tensor, ...], T: int, L: int, grad_y: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunked op's backward: dw, du, dk, dv from chunked_forward's saved tensors and (T, L)."""
+    op, op_carry, to_carry, dist, X, V_mat, den, y, carry_scale, M, f, g = saved
+    C, _, B, n, _ = X.shape
+    X_mat = X.view(C, 2 * B * n, L)  # (C, 2, B, n, L) -> (C, 2Bn, L)
+    grad_y = _to_chunks(grad_y, n, L, 0.0)
+
+    # Gradient of Y = [den, num] through y = num / den.
+    dY = torch.empty_like(X)
+    torch.div(grad_y, den, out=dY[:, 1])
+    torch.mul(dY[:, 1], y, out=dY[:, 0]).neg_()
+    dY_mat = dY.view(C, 2 * B * n, L)  # (C, 2, B, n, L) -> (C, 2Bn, L)
+
+    # Through the chunk matmuls: gradients of the matrices and of the carry columns.
+    d_op = torch.bmm(X_mat.transpose(1, 2), dY_mat)  # (C, L, L)
+    d_op_carry = torch.bmm(V_mat.transpose(1, 2), dY_mat)  # (C, 2, L)
+    dV = torch.bmm(dY_mat, op_carry.transpose(1, 2)).view(C, 2, B, n, 2)  # (C, 2Bn, 2) -> (C, 2, B, n, 2)
+
+    # Through the carries, back to each chunk's contributions S.
+    dM = dV.permute(4, 0, 1, 2, 3) * carry_scale[:, :, None]  # (C, 2, B, n, 2) -> (2, C, 2, B, n)
+    dS, dw_scan = _carry_scan_backward(
+        torch.stack([dM[0], dM[1].flip(-1)]), torch.stack([M[0], M[1].flip(-1)]), f, g, L
+    )
+    dS_mat = torch.stack([dS[0], dS[1].flip(-1)], dim=-1).view(C, 2 * B * n, 2)  # (C, 2, B, n, 2) -> (C, 2Bn, 2)
+
+    # Gradient of X = e^{k - m} [1, v] from the chunk matmul and from the carries.
+    dX = torch.bmm(dY_mat, op.transpose(1, 2)).baddbmm_(dS_mat, to_carry.transpose(1, 2)).view_as(X)
+    d_to_carry = torch.bmm(X_mat.transpose(1, 2), dS_mat)  # (C, L, 2)
+    dkv = torch.empty_like(X)  # (C, 2, B, n, L): dk, dv
+    torch.addcmul(dX[:, 0] * X[:, 0], dX[:, 1], X[:, 1], out=dkv[:, 0])
+    torch.mul(dX[:, 1], X[:, 0], out=dkv[:, 1])
+
+    # Parameters: every matrix entry is a table entry K(d) = e^{-(d - 1) w} (e^u at d = 0), so the
+    # gradient of log K(d) sums entry * gradient over the entries at distance d.
+    entries = torch.cat(
+        [(d_op * op).view(C, -1), (d_op_carry * op_carry).view(C, -1), (d_to_carry * to_carry).view(C, -1)], 1
+    )  # (C, L L + 4 L)
+    d_log = torch.zeros(C, L + 2, device=op.device, dtype=op.dtype).index_add_(1, dist, entries)
+    d = torch.arange(L + 2, device=op.device, dtype=op.dtype)
+    dw = (d_log[:, 1:] * (1 - d[1:])).sum(dim=1) + dw_scan
+    du = d_log[:, 0]
+    # Both back to (B, T, C) with one transpose.
+    dk, dv = _from_chunks(dkv.view(C, 2 * B, n, L), T).view(2, B, T, C).unbind(0)  # (2B, T, C) -> (2, B, T, C)
+    return dw, du, dk, dv
+
+
 class _BiWKV(torch.autograd.Function):
     """Chunked Bi-WKV with a hand-written backward; see the module docstring for the scheme."""
 
     @staticmethod
     def forward(ctx, w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_len: int):
-        B, T, C = k.shape
-        L, n = _chunking(w, T, chunk_len)
-        op, op_carry, to_carry, dist = _chunk_matrices(w, u, L)
-        # A padded key is -inf, so its weight e^{k - m} is exactly 0.
-        k = _to_chunks(k, n, L, float("-inf"))
-        v = _to_chunks(v, n, L, 0.0)
-
-        # Token weights under each chunk's key max: X[:, 0] = e^{k - m}, X[:, 1] = e^{k - m} v.
-        m = k.amax(dim=-1)  # (C, B, n)
-        X = torch.empty(C, 2, B, n, L, device=k.device, dtype=k.dtype)
-        torch.exp(k - m[..., None], out=X[:, 0])
-        torch.mul(X[:, 0], v, out=X[:, 1])
-        X_mat = X.view(C, 2 * B * n, L)  # (C, 2, B, n, L) -> (C, 2Bn, L)
-
-        # What each chunk adds to its neighbours' carries, then the carries themselves.
-        S = torch.bmm(X_mat, to_carry).view(C, 2, B, n, 2)  # (C, 2Bn, 2) -> (C, 2, B, n, 2)
-        # The right carry runs from the last chunk, so its chunk order is reversed to reuse one scan.
-        S = torch.stack([S[..., 0], S[..., 1].flip(-1)])  # (2, C, 2, B, n)
-        m2 = torch.stack([m, m.flip(-1)])  # (2, C, B, n)
-        h, M, f, g = _carry_scan(S, m2, L * w)
-        h = torch.stack([h[0], h[1].flip(-1)])  # (2, C, B, n), back to chunk order
-        M = torch.stack([M[0], M[1].flip(-1)])  # (2, C, 2, B, n)
-
-        # Carries as two more columns of the chunk, under the tokens' scale m. Where a carry exceeds the
-        # tokens by more than e^_CARRY_CAP it is scaled down to that cap: the tokens then weigh e^{-cap}
-        # times the carry (at most e^{-cap + 2 * 12 + 2} L ~ 1e-14 of the output) instead of less.
-        carry_scale = torch.exp(h - torch.maximum(m, h.amax(dim=0) - _CARRY_CAP))  # (2, C, B, n)
-        V = (M * carry_scale[:, :, None]).permute(1, 2, 3, 4, 0)  # (2, C, 2, B, n) -> (C, 2, B, n, 2)
-        V_mat = V.reshape(C, 2 * B * n, 2)  # (C, 2, B, n, 2) -> (C, 2Bn, 2)
-
-        # Every output of a chunk from its L tokens and two carries: batched matmuls per channel.
-        Y = torch.bmm(X_mat, op).baddbmm_(V_mat, op_carry).view(C, 2, B, n, L)  # (C, 2Bn, L) -> (C, 2, B, n, L)
-        y = Y[:, 1] / Y[:, 0]
-
-        ctx.save_for_backward(op, op_carry, to_carry, dist, X, V_mat, Y[:, 0], y, carry_scale, M, f, g)
-        ctx.T, ctx.L = T, L
-        return _from_chunks(y, T)
+        y, saved, (ctx.T, ctx.L) = chunked_forward(w, u, k, v, chunk_len)
+        ctx.save_for_backward(*saved)
+        return y
 
     @staticmethod
-    @fp32_operator  # the engine may replay the forward's autocast state in backward (CUDA)
     def backward(ctx, grad_y: torch.Tensor):
-        op, op_carry, to_carry, dist, X, V_mat, den, y, carry_scale, M, f, g = ctx.saved_tensors
-        T, L = ctx.T, ctx.L
-        C, _, B, n, _ = X.shape
-        X_mat = X.view(C, 2 * B * n, L)  # (C, 2, B, n, L) -> (C, 2Bn, L)
-        grad_y = _to_chunks(grad_y, n, L, 0.0)
-
-        # Gradient of Y = [den, num] through y = num / den.
-        dY = torch.empty_like(X)
-        torch.div(grad_y, den, out=dY[:, 1])
-        torch.mul(dY[:, 1], y, out=dY[:, 0]).neg_()
-        dY_mat = dY.view(C, 2 * B * n, L)  # (C, 2, B, n, L) -> (C, 2Bn, L)
-
-        # Through the chunk matmuls: gradients of the matrices and of the carry columns.
-        d_op = torch.bmm(X_mat.transpose(1, 2), dY_mat)  # (C, L, L)
-        d_op_carry = torch.bmm(V_mat.transpose(1, 2), dY_mat)  # (C, 2, L)
-        dV = torch.bmm(dY_mat, op_carry.transpose(1, 2)).view(C, 2, B, n, 2)  # (C, 2Bn, 2) -> (C, 2, B, n, 2)
-
-        # Through the carries, back to each chunk's contributions S.
-        dM = dV.permute(4, 0, 1, 2, 3) * carry_scale[:, :, None]  # (C, 2, B, n, 2) -> (2, C, 2, B, n)
-        dS, dw_scan = _carry_scan_backward(
-            torch.stack([dM[0], dM[1].flip(-1)]), torch.stack([M[0], M[1].flip(-1)]), f, g, L
-        )
-        dS_mat = torch.stack([dS[0], dS[1].flip(-1)], dim=-1).view(C, 2 * B * n, 2)  # (C, 2, B, n, 2) -> (C, 2Bn, 2)
-
-        # Gradient of X = e^{k - m} [1, v] from the chunk matmul and from the carries.
-        dX = torch.bmm(dY_mat, op.transpose(1, 2)).baddbmm_(dS_mat, to_carry.transpose(1, 2)).view_as(X)
-        d_to_carry = torch.bmm(X_mat.transpose(1, 2), dS_mat)  # (C, L, 2)
-        dkv = torch.empty_like(X)  # (C, 2, B, n, L): dk, dv
-        torch.addcmul(dX[:, 0] * X[:, 0], dX[:, 1], X[:, 1], out=dkv[:, 0])
-        torch.mul(dX[:, 1], X[:, 0], out=dkv[:, 1])
-
-        # Parameters: every matrix entry is a table entry K(d) = e^{-(d - 1) w} (e^u at d = 0), so the
-        # gradient of log K(d) sums entry * gradient over the entries at distance d.
-        entries = torch.cat(
-            [(d_op * op).view(C, -1), (d_op_carry * op_carry).view(C, -1), (d_to_carry * to_carry).view(C, -1)], 1
-        )  # (C, L L + 4 L)
-        d_log = torch.zeros(C, L + 2, device=op.device, dtype=op.dtype).index_add_(1, dist, entries)
-        d = torch.arange(L + 2, device=op.device, dtype=op.dtype)
-        dw = (d_log[:, 1:] * (1 - d[1:])).sum(dim=1) + dw_scan
-        du = d_log[:, 0]
-        # Both back to (B, T, C) with one transpose.
-        dk, dv = _from_chunks(dkv.view(C, 2 * B, n, L), T).view(2, B, T, C).unbind(0)  # (2B, T, C) -> (2, B, T, C)
-        return dw, du, dk, dv, None
+        return *chunked_backward(ctx.saved_tensors, ctx.T, ctx.L, grad_y), None
 
 
-@functools.cache
-def _triton_bi_wkv() -> Callable | None:
-    """The fused Triton op (backbones/ops/wkv_triton.py), or None when triton cannot be imported here."""
-    try:
-        from backbones.ops.wkv_triton import bi_wkv_triton
-    except Exception as err:  # noqa: BLE001 - any failure means "use the PyTorch op"
-        log.info("Triton Bi-WKV unavailable (%s: %s)", type(err).__name__, err)
-        return None
-    return bi_wkv_triton
+# Whether triton can be imported here, found without importing it (the kernels import it on first use).
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 @fp32_operator
@@ -255,23 +257,34 @@ def bi_wkv(
 ) -> torch.Tensor:
     """Bi-WKV of k, v (B, T, C) with decay w and bonus u (C,), exact in O(B T C); returns (B, T, C).
 
-    backend: "auto" runs the fused Triton kernels for CUDA tensors in fp32 / bf16 / fp16 when triton imports,
-    and this chunked PyTorch op otherwise; "torch" always takes the chunked op; "triton" always takes the
-    kernels (on CPU through Triton's interpreter, TRITON_INTERPRET=1, which is how the tests check them).
+    backend: "auto" runs the fused Triton kernels for CUDA tensors in fp32 / bf16 / fp16 when triton is
+    installed, and this chunked PyTorch op otherwise; "torch" always takes the chunked op; "triton" always
+    takes the kernels (on CPU through Triton's interpreter, TRITON_INTERPRET=1, which is how the tests check
+    them). Both go through one torch.library op (backbones/ops/wkv_op.py) under torch.compile and for the
+    kernels, so a compiled block has no graph break; the eager chunked op skips it (its backward then
+    reuses what the forward computed instead of recomputing it).
     chunk_len (chunked op only) is the longest chunk: the matmul costs O(B T L C) and the carry loop T / L
-    steps. It is shortened automatically for very fast decays (|w| chunk_len > 24), see the module docstring.
+    steps. It is shortened automatically for very fast decays (|w| chunk_len > 12), see the module docstring.
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"bi_wkv backend={backend!r}: use 'auto', 'torch' or 'triton'.")
-    dtype = torch.promote_types(torch.promote_types(k.dtype, v.dtype), torch.float32)
-    if backend == "triton":
-        from backbones.ops.wkv_triton import bi_wkv_triton  # forced: an import error should surface
-
-        return bi_wkv_triton(w, u, k, v)
-    if backend == "auto" and k.is_cuda and dtype == torch.float32 and _triton_bi_wkv() is not None:
-        return _triton_bi_wkv()(w, u, k, v)
-    y = _BiWKV.apply(w.to(dtype), u.to(dtype), k.to(dtype), v.to(dtype), chunk_len)
-    return y.to(torch.promote_types(k.dtype, v.dtype))
+    out_dtype = torch.promote_types(k.dtype, v.dtype)
+    kernels = (torch.float32, torch.bfloat16, torch.float16)
+    if backend == "triton" or (backend == "auto" and k.is_cuda and out_dtype in kernels and _HAS_TRITON):
+        if out_dtype not in kernels:
+            raise ValueError(f"bi_wkv's Triton kernels take fp32, bf16 or fp16 k and v, got {out_dtype}; use backend='torch'.")
+        if k.numel() == 0:
+            return torch.zeros_like(k, dtype=out_dtype) + 0 * (w.sum() + u.sum() + k.sum() + v.sum())
+        # k and v are read in their own dtype (no fp32 copy in memory); w, u are C floats.
+        args = (w.float().contiguous(), u.float().contiguous(), k.to(out_dtype).contiguous(), v.to(out_dtype).contiguous())
+        return wkv_op.bi_wkv_op(*args, chunk_len, True)[0]
+    dtype = torch.promote_types(out_dtype, torch.float32)
+    args = (w.to(dtype), u.to(dtype), k.to(dtype), v.to(dtype))
+    if torch.compiler.is_compiling():
+        y = wkv_op.bi_wkv_op(*args, chunk_len, False)[0]
+    else:
+        y = _BiWKV.apply(*args, chunk_len)
+    return y.to(out_dtype)
 
 
 def bi_wkv_reference(w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -286,3 +299,7 @@ def bi_wkv_reference(w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch
     x = torch.stack([ek, ek * v], dim=-1).permute(2, 1, 0, 3)  # (B, T, C, 2) -> (C, T, B, 2)
     y = torch.bmm(torch.exp(log_decay), x.reshape(C, T, B * 2)).view(C, T, B, 2)  # (C, T, B 2) -> (C, T, B, 2)
     return (y[..., 1] / y[..., 0]).permute(2, 1, 0)  # (C, T, B) -> (B, T, C)
+
+
+# The op calls chunked_forward / chunked_backward above, so it is imported once they exist.
+from backbones.ops import wkv_op  # noqa: E402

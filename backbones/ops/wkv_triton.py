@@ -1,371 +1,338 @@
 """Bi-WKV as fused Triton kernels, forward and backward. The PyTorch op in backbones/ops/wkv.py stays the CPU
-path and the reference these kernels are tested against (tests/test_wkv_triton.py).
+path and the reference these kernels are tested against (tests/test_wkv_triton.py); backbones/ops/wkv_op.py
+registers both as one torch.library op; the device functions (the walks along a chunk) are in
+backbones/ops/wkv_triton_walks.py.
 
     y_t = sum_i K(t, i) e^{k_i} v_i / sum_i K(t, i) e^{k_i},   K(t, t) = e^u,  K(t, i) = e^{-(|t-i|-1) w}
 
 w, u: (C,) per-channel decay and bonus, already divided by T by the caller; k, v: (B, T, C).
 
-Scheme. One program per (batch, block of BLOCK_C channels) walks the sequence. Every quantity is a carry of
-the recurrence "decay by one token, then add the next token", run in both directions:
-  G_t = sum_{i<t} e^{-(t-1-i) w} e^{k_i} [v_i, 1]   (left carry, G_{t+1} = e^{-w} G_t + e^{k_t} [v_t, 1])
-  H_t = sum_{i>t} e^{-(i-t-1) w} e^{k_i} [v_i, 1]   (right carry, mirrored)
-  y_t = (G_t + e^{u + k_t} [v_t, 1] + H_t), numerator over denominator.
-The sequence is read in tiles of BLOCK_T tokens, each loaded at once so that many loads are in flight (a
-token-by-token loop would wait one memory latency per token), then walked token by token in registers.
-A first right-to-left sweep keeps only the right carry entering each tile (O(T / BLOCK_T) state); the second
-sweep walks each tile right to left from that carry, then left to right with the running left carry, and
-writes y. So k and v are read twice and y written once, with no O(T) scratch.
+Why chunk-parallel. The work is tiny (about 30 flops and 4 exponentials per element and pass) and the bytes
+are few (B64 T256 C384 bf16: 38 MB in, out is read k, v, write y), so the kernel is neither compute- nor
+bandwidth-bound: it is bound by latency, the chain of dependent exponentials of a sequential walk and the wait
+for each tile of loads. One program per (sequence, 32 channels) walking all of T gives 768 one-warp programs
+at the reference shape, about 1.5 warps per SM sub-partition with nothing to switch to while one waits. So the
+sequence is cut into chunks of CHUNK = 16 tokens and every (sequence, channel block, chunk) is a program of its
+own (12,288 at the reference shape, about 23 per SM): each walks only its 16 tokens, and what it receives from
+outside its chunk arrives as two carries computed beforehand.
+
+Three launches per direction. (1) `sums`: per chunk, what it adds to the carries of its neighbours, from empty
+carries: two independent 16-step walks over its rows (left to right, right to left), so the chains are short and
+two are in flight per thread. (2) `combine`: per (sequence, channel block), the carry entering each chunk from the
+left and from the right, a walk over the T / 16 chunk aggregates (16 steps at T = 256; the aggregates of 16 chunks
+are loaded at once, so there is one load latency per 16 steps, not one per step). (3) `main`: per chunk, the same
+walk as a whole-sequence kernel, right to left then left to right over the 16 rows held in registers, starting
+from the two carries. Picking a row of a (16, BLOCK_C) tile is a register move only while all 16 rows of a channel
+sit in one thread, which holds for the configs below (BLOCK_C a multiple of 32 * num_warps: the tile layout is
+then threads along channels only, checked in the TTGIR for sm_90).
 
 Backward. With D_t the denominator, alpha_t = g_t / D_t and beta_t = -g_t y_t / D_t (g = dL/dy):
   dk_i = e^{k_i} sum_t K(t, i) (alpha_t v_i + beta_t),   dv_i = e^{k_i} sum_t K(t, i) alpha_t,
   du   = sum_t e^{u + k_t} (alpha_t v_t + beta_t),
   dw   = -sum_t sum_{i != t} (|t-i| - 1) K(t, i) e^{k_i} (alpha_t v_i + beta_t).
-K is symmetric, so the sums over t are the same two carries run over [alpha, beta] instead of e^k [v, 1]
-(L_t from the left, R_t from the right). The distance weight of dw comes from a second carry beside each,
-R'_{t-1} = e^{-w} (R'_t + R_t) (likewise L'), which holds sum_{s>t} (s-t-1) e^{-(s-t-1) w} [alpha_s, beta_s];
-then dw = -sum_i e^{k_i} (v_i (L'_i + R'_i)[alpha] + (L'_i + R'_i)[beta]). Same sweeps as the forward: right
-carries at tile boundaries first, then each tile right to left and left to right. The forward saves y in
-fp32 and D_t as (P_t, d_t) with D_t = e^{P_t} d_t, so the backward never recomputes G and H.
+K is symmetric, so the sums over t are the same two carries run over [alpha, beta] (R from the right, L from
+the left), each with a distance-weighted twin R'_{t-1} = e^{-w} (R'_t + R_t) for dw. Moving a carry by a whole
+chunk: R -> e^{-16 w} R, R' -> e^{-16 w} (R' + 16 R), so the same three launches apply.
+What the backward recomputes rather than stores: y and D_t. Storing them in fp32 (y, and D as scale and
+mantissa) is 12 bytes per element written once and read twice, 226 MB at the reference shape; recomputing
+costs one more 16-token walk per chunk in each backward launch, from the forward's chunk carries, which are the
+only thing the forward saves (6 floats per (sequence, chunk, channel), 9 MB). That is why the chunk length is a
+fixed function of T (`chunk_len`), not an autotuned parameter: the backward must cut the sequence where the
+forward did. Autotuning picks only the channels per program and the warps, which change no stored layout.
+
+Bytes at B64 T256 C384 bf16 (`traffic`): forward 101 MB, backward 189 MB, 289 MB in all, 86 us at an H100's
+3.35 TB/s; the goal is 400 us. The chunk scratch (aggregates and carries, 6 + 10 floats per chunk slot) is
+about 40% of it; longer chunks would cut it but hold more rows in registers: with 16 rows the backward's main
+kernel, which holds eight (16, BLOCK_C) tiles, takes 216 of a thread's 255 registers (ptxas, sm_90).
 
 Numerics (why fp32 is enough). Every carry is (integer log-scale h, mantissas): the value is e^h times the
-mantissas. h follows the carry's magnitude (log-sum-exp style, max of the decayed scale and the new token)
-and is rounded to an integer, so each step's factor exp((h_old - h_new) - w) is taken of a small, correctly
-rounded number: the error per token is ~1e-7 however large |h| grows (a float scale loses ulp(h) per step,
-1e-5 once |w| t reaches ~200). No exponent of an unbounded quantity is taken: e^{k - h} <= e^{0.5}, and the
-backward's e^{k_i + h} is the attention weight K e^{k_i} / D_t <= 1 times a mantissa. Empty carries use the
-finite scale _NEG (not -inf) so that scale differences never form inf - inf.
-bf16 / fp16 inputs are read in their dtype and computed in fp32; y, dk, dv come back in the input dtype.
+mantissas. h follows the carry's magnitude (log-sum-exp style, max of the decayed scale and the new term) and is
+rounded to an integer, so each step's factor exp((h_old - h_new) - w) is taken of a small, correctly rounded
+number and the error does not grow with |h|. Moving a carry by a chunk takes exp((h_old - h_new) - 16 w), exact
+in the same way (16 w is exact). No exponent of an unbounded quantity is taken. Empty carries use the finite scale
+_NEG (not -inf) so that scale differences never form inf - inf. bf16 / fp16 inputs are read in their dtype and
+computed in fp32; y, dk, dv come back in the input dtype.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-# Log-scale of an empty carry: finite, so that differences of scales never give inf - inf.
-_NEG = tl.constexpr(-1.0e30)
-# Tokens loaded and walked per tile, channels per program, and one warp per program: with one warp a
-# (BLOCK_T, BLOCK_C) tile puts one channel on each lane and all BLOCK_T rows of it in that lane's registers,
-# so picking a row is a register move (checked in the TTGIR for sm_90; more warps split the rows across
-# warps and every row pick goes through shared memory). Compiled for sm_90 without a GPU, ptxas reports
-# 164 registers for the forward and 254 (16 bytes spilled) for the backward. Not tuned on hardware.
-BLOCK_T = 16
-BLOCK_C = 32
-NUM_WARPS = 1
+from backbones.ops.wkv_triton_walks import (
+    _NEG,
+    _alpha_beta,
+    _chunk_sums,
+    _chunk_sums_grad,
+    _cols,
+    _fwd_tile,
+    _load_fwd_carries,
+    _push,
+    _push_grad,
+    _put,
+    _row,
+    _slot,
+    _tile,
+)
+
+# Chunks per load in the combine walk: a (16, BLOCK_C) tile of aggregates per field, its rows in registers. Under
+# the interpreter 2, so that the tests' few chunks cross a group boundary (in both walking directions).
+_GROUP = 2 if os.environ.get("TRITON_INTERPRET") == "1" else 16
 
 
+def chunk_len(T: int) -> int:
+    """Tokens per chunk: fixed (not autotuned), so the backward cuts the sequence where the forward did."""
+    return 16
+
+
+def _configs(backward: bool = False) -> list[triton.Config]:
+    """Channels per program and warps. Under TRITON_INTERPRET=1 one config: the interpreter would run them all."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return [triton.Config({"BLOCK_C": 32}, num_warps=1)]
+    # Rows stay in-thread only with threads along channels: BLOCK_C a multiple of 32 * num_warps. Two channels
+    # per thread (64 on one warp) spill in the backward (ptxas, sm_90), so only the forward tries it.
+    shapes = [(32, 1), (64, 2), (128, 4)] + ([] if backward else [(64, 1)])
+    return [triton.Config({"BLOCK_C": bc}, num_warps=nw) for bc, nw in shapes]
+
+
+@triton.autotune(configs=_configs(), key=["T", "C"])
 @triton.jit
-def _row(tile, rows, j: tl.constexpr):
-    """Row j of a (BLOCK_T, BLOCK_C) tile as a (BLOCK_C,) vector (a register pick when rows live in-thread)."""
-    return tl.sum(tl.where(rows[:, None] == j, tile, 0.0), axis=0)
-
-
-@triton.jit
-def _put(tile, rows, j: tl.constexpr, row):
-    """The tile with row j replaced by `row`."""
-    return tl.where(rows[:, None] == j, row[None, :], tile)
-
-
-@triton.jit
-def _push(h, A, D, w, k, v):
-    """Carry e^h [A, D] -> e^{-w} carry + e^k [v, 1]; the new scale is an integer (see the module docstring)."""
-    h_new = tl.floor(tl.maximum(h - w, k) + 0.5)
-    f = tl.exp((h - h_new) - w)
-    g = tl.exp(k - h_new)
-    return h_new, A * f + g * v, D * f + g
-
-
-@triton.jit
-def _push_grad(h, Ra, Rb, Sa, Sb, w, s, a, b):
-    """Backward carries e^h [Ra, Rb] (R) and e^h [Sa, Sb] (R', the distance-weighted one) past one token
-    whose [alpha, beta] = e^s [a, b]: R' <- e^{-w} (R' + R), then R <- e^{-w} R + [alpha, beta]."""
-    h_new = tl.floor(tl.maximum(h - w, s) + 0.5)
-    f = tl.exp((h - h_new) - w)
-    g = tl.exp(s - h_new)
-    return h_new, Ra * f + g * a, Rb * f + g * b, (Sa + Ra) * f, (Sb + Rb) * f
-
-
-@triton.jit
-def _bi_wkv_fwd_kernel(
-    w_ptr, u_ptr, k_ptr, v_ptr, y_ptr, y32_ptr, P_ptr, d_ptr, carry_ptr,
-    B, T, C, n_tiles,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, STORE_Y32: tl.constexpr, SAVE: tl.constexpr,
-):
+def _fwd_sums_kernel(w_ptr, k_ptr, v_ptr, agg_ptr, B, T, C, n_chunks, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(6, B, n, C) aggregates [scale, num, den] of each chunk: as the next chunk's first token sees it (left
+    side, fields 0-2) and as the previous chunk's last token sees it (right side, fields 3-5)."""
     b = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < C
-    rows = tl.arange(0, BLOCK_T)
-    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    seq = b.to(tl.int64) * T * C  # offset of sequence b in (B, T, C)
-    # The carry entering tile i sits at carry_ptr[field, b, i, c] of a (3, B, n_tiles, C) scratch.
-    field = B * n_tiles * C
-    carry_row = carry_ptr + (b * n_tiles) * C + cols
-
-    # Right-to-left sweep: the right carry entering each tile.
-    h = tl.full([BLOCK_C], _NEG, tl.float32)
-    A = tl.zeros([BLOCK_C], tl.float32)
-    D = tl.zeros([BLOCK_C], tl.float32)
-    for i in range(n_tiles):
-        tile = n_tiles - 1 - i
-        tl.store(carry_row + tile * C, h, mask=col_ok)
-        tl.store(carry_row + tile * C + field, A, mask=col_ok)
-        tl.store(carry_row + tile * C + 2 * field, D, mask=col_ok)
-        t = tile * BLOCK_T + rows
-        offs = seq + t[:, None] * C + cols[None, :]
-        mask = (t < T)[:, None] & col_ok[None, :]
-        K = tl.load(k_ptr + offs, mask=mask, other=_NEG).to(tl.float32)
-        V = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        for jj in tl.static_range(BLOCK_T):
-            j = BLOCK_T - 1 - jj  # constexpr: rows walked right to left
-            # Padding rows past T come first from the right: they must leave the carry empty.
-            valid = tile * BLOCK_T + j < T
-            h2, A2, D2 = _push(h, A, D, w, _row(K, rows, j), _row(V, rows, j))
-            h = tl.where(valid, h2, h)
-            A = tl.where(valid, A2, A)
-            D = tl.where(valid, D2, D)
-    # The second sweep reads the carries written above, possibly by other threads of this program.
-    tl.debug_barrier()
-
-    # Left-to-right sweep: per tile, right to left from its carry (Z_t = self + H_t), then left to right.
-    h = tl.full([BLOCK_C], _NEG, tl.float32)
-    A = tl.zeros([BLOCK_C], tl.float32)
-    D = tl.zeros([BLOCK_C], tl.float32)
-    for tile in range(n_tiles):
-        t = tile * BLOCK_T + rows
-        offs = seq + t[:, None] * C + cols[None, :]
-        mask = (t < T)[:, None] & col_ok[None, :]
-        K = tl.load(k_ptr + offs, mask=mask, other=_NEG).to(tl.float32)
-        V = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        hR = tl.load(carry_row + tile * C, mask=col_ok, other=_NEG)
-        AR = tl.load(carry_row + tile * C + field, mask=col_ok, other=0.0)
-        DR = tl.load(carry_row + tile * C + 2 * field, mask=col_ok, other=0.0)
-
-        # Z_t = e^{u + k_t} [v_t, 1] + H_t, kept as integer scale Zh and mantissas Zn, Zd per row.
-        Zh = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
-        Zn = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
-        Zd = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
-        for jj in tl.static_range(BLOCK_T):
-            j = BLOCK_T - 1 - jj  # constexpr: rows walked right to left
-            k_j = _row(K, rows, j)
-            v_j = _row(V, rows, j)
-            m = tl.floor(tl.maximum(hR, k_j + u) + 0.5)
-            e_carry = tl.exp(hR - m)
-            e_self = tl.exp((k_j - m) + u)
-            Zh = _put(Zh, rows, j, m)
-            Zn = _put(Zn, rows, j, AR * e_carry + v_j * e_self)
-            Zd = _put(Zd, rows, j, DR * e_carry + e_self)
-            valid = tile * BLOCK_T + j < T
-            h2, A2, D2 = _push(hR, AR, DR, w, k_j, v_j)
-            hR = tl.where(valid, h2, hR)
-            AR = tl.where(valid, A2, AR)
-            DR = tl.where(valid, D2, DR)
-
-        # y_t = (G_t + Z_t) under the common integer scale P_t = max(h_G, h_Z).
-        Y = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
-        Pt = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
-        Dt = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
-        for j in tl.static_range(BLOCK_T):
-            m = _row(Zh, rows, j)
-            P = tl.maximum(h, m)
-            e_left = tl.exp(h - P)
-            e_z = tl.exp(m - P)
-            num = A * e_left + _row(Zn, rows, j) * e_z
-            den = D * e_left + _row(Zd, rows, j) * e_z
-            Y = _put(Y, rows, j, num / den)
-            Pt = _put(Pt, rows, j, P)
-            Dt = _put(Dt, rows, j, den)
-            # Rows past T only follow the last real one, so the left carry needs no mask.
-            h, A, D = _push(h, A, D, w, _row(K, rows, j), _row(V, rows, j))
-
-        tl.store(y_ptr + offs, Y.to(y_ptr.dtype.element_ty), mask=mask)
-        if STORE_Y32:
-            tl.store(y32_ptr + offs, Y, mask=mask)
-        if SAVE:
-            tl.store(P_ptr + offs, Pt, mask=mask)
-            tl.store(d_ptr + offs, Dt, mask=mask)
+    _, _, K, V = _tile(k_ptr, v_ptr, b, T, C, BLOCK_T, BLOCK_C)
+    slot, col_ok = _slot(b, n_chunks, C, BLOCK_C)
+    field = B * n_chunks * C
+    w = tl.load(w_ptr + _cols(BLOCK_C), mask=col_ok, other=0.0)
+    sums = _chunk_sums(K, V, tl.arange(0, BLOCK_T), w, tl.program_id(2) * BLOCK_T, T, BLOCK_T)
+    for i in tl.static_range(6):
+        tl.store(agg_ptr + slot + i * field, sums[i], mask=col_ok)
 
 
 @triton.jit
-def _bi_wkv_bwd_kernel(
-    w_ptr, u_ptr, k_ptr, v_ptr, gy_ptr, y32_ptr, P_ptr, d_ptr, dk_ptr, dv_ptr, du_ptr, dw_ptr, carry_ptr,
-    B, T, C, n_tiles,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-):
+def _combine_kernel(w_ptr, agg_ptr, carry_ptr, B, n_chunks, C, FIELDS: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_C: tl.constexpr, GROUP: tl.constexpr):
+    """Carries entering each chunk from (FIELDS, B, n, C) chunk aggregates, left side ascending, right side
+    descending. FIELDS = 6: forward [scale, num, den] per side; 10: backward [scale, R_a, R_b, R'_a, R'_b]."""
     b = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cols = _cols(BLOCK_C)
     col_ok = cols < C
+    rows = tl.arange(0, GROUP)
+    field = B * n_chunks * C
+    base = b * n_chunks * C + cols
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0)
+    n_groups = tl.cdiv(n_chunks, GROUP)
+    PER: tl.constexpr = FIELDS // 2
+    for side in tl.static_range(2):
+        h = tl.full([BLOCK_C], _NEG, tl.float32)
+        A = tl.zeros([BLOCK_C], tl.float32)
+        D = tl.zeros([BLOCK_C], tl.float32)
+        Sa = tl.zeros([BLOCK_C], tl.float32)
+        Sb = tl.zeros([BLOCK_C], tl.float32)
+        for gi in range(n_groups):
+            g0 = (gi + side * (n_groups - 1 - 2 * gi)) * GROUP  # ascending groups on the left, descending on the right
+            c = g0 + rows
+            offs = base[None, :] + c[:, None] * C + PER * side * field
+            m = (c < n_chunks)[:, None] & col_ok[None, :]
+            Hs = tl.load(agg_ptr + offs, mask=m, other=_NEG)
+            As = tl.load(agg_ptr + offs + field, mask=m, other=0.0)
+            Ds = tl.load(agg_ptr + offs + 2 * field, mask=m, other=0.0)
+            if FIELDS == 10:
+                Xs = tl.load(agg_ptr + offs + 3 * field, mask=m, other=0.0)
+                Ws = tl.load(agg_ptr + offs + 4 * field, mask=m, other=0.0)
+            for jj in tl.static_range(GROUP):
+                j = jj + side * (GROUP - 1 - 2 * jj)  # constexpr: rows walked in the side's direction
+                ok = col_ok & (g0 + j < n_chunks)
+                out = carry_ptr + base + (g0 + j) * C + PER * side * field
+                tl.store(out, h, mask=ok)
+                tl.store(out + field, A, mask=ok)
+                tl.store(out + 2 * field, D, mask=ok)
+                if FIELDS == 10:
+                    tl.store(out + 3 * field, Sa, mask=ok)
+                    tl.store(out + 4 * field, Sb, mask=ok)
+                    h2, A2, D2, Sa2, Sb2 = _push_grad(h, A, D, Sa, Sb, BLOCK_T * w, BLOCK_T, _row(Hs, rows, j),
+                                                      _row(As, rows, j), _row(Ds, rows, j), _row(Xs, rows, j),
+                                                      _row(Ws, rows, j))
+                    Sa = tl.where(ok, Sa2, Sa)
+                    Sb = tl.where(ok, Sb2, Sb)
+                else:
+                    h2, A2, D2 = _push(h, A, D, BLOCK_T * w, _row(Hs, rows, j), _row(As, rows, j), _row(Ds, rows, j))
+                h = tl.where(ok, h2, h)
+                A = tl.where(ok, A2, A)
+                D = tl.where(ok, D2, D)
+
+
+@triton.autotune(configs=_configs(), key=["T", "C"])
+@triton.jit
+def _fwd_kernel(w_ptr, u_ptr, k_ptr, v_ptr, carry_ptr, y_ptr, B, T, C, n_chunks,
+                BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    b = tl.program_id(0)
+    offs, mask, K, V = _tile(k_ptr, v_ptr, b, T, C, BLOCK_T, BLOCK_C)
+    slot, col_ok = _slot(b, n_chunks, C, BLOCK_C)
+    w = tl.load(w_ptr + _cols(BLOCK_C), mask=col_ok, other=0.0)
+    u = tl.load(u_ptr + _cols(BLOCK_C), mask=col_ok, other=0.0)
+    carries = _load_fwd_carries(carry_ptr, slot, col_ok, B * n_chunks * C)
+    Y, _, _ = _fwd_tile(K, V, tl.arange(0, BLOCK_T), w, u, *carries, tl.program_id(2) * BLOCK_T, T, BLOCK_T)
+    tl.store(y_ptr + offs, Y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.autotune(configs=_configs(backward=True), key=["T", "C"])
+@triton.jit
+def _bwd_sums_kernel(w_ptr, u_ptr, k_ptr, v_ptr, gy_ptr, fcarry_ptr, agg_ptr, B, T, C, n_chunks,
+                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(10, B, n, C) backward aggregates [scale, R_a, R_b, R'_a, R'_b] of each chunk, left side then right."""
+    b = tl.program_id(0)
+    offs, mask, K, V = _tile(k_ptr, v_ptr, b, T, C, BLOCK_T, BLOCK_C)
+    slot, col_ok = _slot(b, n_chunks, C, BLOCK_C)
+    field = B * n_chunks * C
+    w = tl.load(w_ptr + _cols(BLOCK_C), mask=col_ok, other=0.0)
+    u = tl.load(u_ptr + _cols(BLOCK_C), mask=col_ok, other=0.0)
+    carries = _load_fwd_carries(fcarry_ptr, slot, col_ok, field)
+    Y, Pt, Dt = _fwd_tile(K, V, tl.arange(0, BLOCK_T), w, u, *carries, tl.program_id(2) * BLOCK_T, T, BLOCK_T)
+    S_, Al, Be = _alpha_beta(gy_ptr, offs, mask, Y, Pt, Dt)
+    sums = _chunk_sums_grad(S_, Al, Be, tl.arange(0, BLOCK_T), w, tl.program_id(2) * BLOCK_T, T, BLOCK_T)
+    for i in tl.static_range(10):
+        tl.store(agg_ptr + slot + i * field, sums[i], mask=col_ok)
+
+
+@triton.autotune(configs=_configs(backward=True), key=["T", "C"])
+@triton.jit
+def _bwd_kernel(w_ptr, u_ptr, k_ptr, v_ptr, gy_ptr, fcarry_ptr, bcarry_ptr, dk_ptr, dv_ptr, part_ptr,
+                B, T, C, n_chunks, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    b = tl.program_id(0)
+    offs, mask, K, V = _tile(k_ptr, v_ptr, b, T, C, BLOCK_T, BLOCK_C)
+    slot, col_ok = _slot(b, n_chunks, C, BLOCK_C)
+    field = B * n_chunks * C
     rows = tl.arange(0, BLOCK_T)
-    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    seq = b.to(tl.int64) * T * C
-    # (5, B, n_tiles, C) scratch: scale, R[alpha], R[beta], R'[alpha], R'[beta] entering each tile.
-    field = B * n_tiles * C
-    carry_row = carry_ptr + (b * n_tiles) * C + cols
+    t0 = tl.program_id(2) * BLOCK_T
+    w = tl.load(w_ptr + _cols(BLOCK_C), mask=col_ok, other=0.0)
+    u = tl.load(u_ptr + _cols(BLOCK_C), mask=col_ok, other=0.0)
+    carries = _load_fwd_carries(fcarry_ptr, slot, col_ok, field)
+    Y, Pt, Dt = _fwd_tile(K, V, rows, w, u, *carries, t0, T, BLOCK_T)
+    S_, Al, Be = _alpha_beta(gy_ptr, offs, mask, Y, Pt, Dt)
 
-    # Right-to-left sweep: the backward right carries (R, R') entering each tile.
-    h = tl.full([BLOCK_C], _NEG, tl.float32)
-    Ra = tl.zeros([BLOCK_C], tl.float32)
-    Rb = tl.zeros([BLOCK_C], tl.float32)
-    Sa = tl.zeros([BLOCK_C], tl.float32)
-    Sb = tl.zeros([BLOCK_C], tl.float32)
-    for i in range(n_tiles):
-        tile = n_tiles - 1 - i
-        tl.store(carry_row + tile * C, h, mask=col_ok)
-        tl.store(carry_row + tile * C + field, Ra, mask=col_ok)
-        tl.store(carry_row + tile * C + 2 * field, Rb, mask=col_ok)
-        tl.store(carry_row + tile * C + 3 * field, Sa, mask=col_ok)
-        tl.store(carry_row + tile * C + 4 * field, Sb, mask=col_ok)
-        t = tile * BLOCK_T + rows
-        offs = seq + t[:, None] * C + cols[None, :]
-        mask = (t < T)[:, None] & col_ok[None, :]
-        # [alpha, beta] = e^{-P} [g / d, -y g / d]: scale S_ and mantissas Al, Be per row.
-        G = tl.load(gy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        Al = G / tl.load(d_ptr + offs, mask=mask, other=1.0)
-        Be = -tl.load(y32_ptr + offs, mask=mask, other=0.0) * Al
-        S_ = -tl.load(P_ptr + offs, mask=mask, other=0.0)
-        for jj in tl.static_range(BLOCK_T):
-            j = BLOCK_T - 1 - jj  # constexpr: rows walked right to left
-            valid = tile * BLOCK_T + j < T
-            h2, Ra2, Rb2, Sa2, Sb2 = _push_grad(
-                h, Ra, Rb, Sa, Sb, w, _row(S_, rows, j), _row(Al, rows, j), _row(Be, rows, j)
-            )
-            h = tl.where(valid, h2, h)
-            Ra = tl.where(valid, Ra2, Ra)
-            Rb = tl.where(valid, Rb2, Rb)
-            Sa = tl.where(valid, Sa2, Sa)
-            Sb = tl.where(valid, Sb2, Sb)
-    tl.debug_barrier()
-
-    # Left-to-right sweep: per tile, the right carries (and the bonus term) right to left, then the left ones.
-    hL = tl.full([BLOCK_C], _NEG, tl.float32)
-    La = tl.zeros([BLOCK_C], tl.float32)
-    Lb = tl.zeros([BLOCK_C], tl.float32)
-    Ma = tl.zeros([BLOCK_C], tl.float32)  # L'[alpha]
-    Mb = tl.zeros([BLOCK_C], tl.float32)  # L'[beta]
+    # Bonus term and everything from the right. Padding rows have k = _NEG: their e^k terms vanish.
+    h = tl.load(bcarry_ptr + slot + 5 * field, mask=col_ok, other=_NEG)
+    Ra = tl.load(bcarry_ptr + slot + 6 * field, mask=col_ok, other=0.0)
+    Rb = tl.load(bcarry_ptr + slot + 7 * field, mask=col_ok, other=0.0)
+    Sa = tl.load(bcarry_ptr + slot + 8 * field, mask=col_ok, other=0.0)
+    Sb = tl.load(bcarry_ptr + slot + 9 * field, mask=col_ok, other=0.0)
     du = tl.zeros([BLOCK_C], tl.float32)
     dw = tl.zeros([BLOCK_C], tl.float32)
-    for tile in range(n_tiles):
-        t = tile * BLOCK_T + rows
-        offs = seq + t[:, None] * C + cols[None, :]
-        mask = (t < T)[:, None] & col_ok[None, :]
-        K = tl.load(k_ptr + offs, mask=mask, other=_NEG).to(tl.float32)
-        V = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        G = tl.load(gy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        Al = G / tl.load(d_ptr + offs, mask=mask, other=1.0)
-        Be = -tl.load(y32_ptr + offs, mask=mask, other=0.0) * Al
-        S_ = -tl.load(P_ptr + offs, mask=mask, other=0.0)
-        h = tl.load(carry_row + tile * C, mask=col_ok, other=_NEG)
-        Ra = tl.load(carry_row + tile * C + field, mask=col_ok, other=0.0)
-        Rb = tl.load(carry_row + tile * C + 2 * field, mask=col_ok, other=0.0)
-        Sa = tl.load(carry_row + tile * C + 3 * field, mask=col_ok, other=0.0)
-        Sb = tl.load(carry_row + tile * C + 4 * field, mask=col_ok, other=0.0)
+    dK = tl.zeros_like(K)
+    dV = tl.zeros_like(K)
+    for jj in tl.static_range(BLOCK_T):
+        j = BLOCK_T - 1 - jj  # constexpr: rows walked right to left
+        k_j = _row(K, rows, j)
+        v_j = _row(V, rows, j)
+        s_j = _row(S_, rows, j)
+        a_j = _row(Al, rows, j)
+        b_j = _row(Be, rows, j)
+        # e^{u + k_j} [alpha_j, beta_j]: the attention weight of token j on itself times g_j.
+        e_self = tl.exp((k_j + s_j) + u)
+        # e^{k_j} times the right carries: weights K(t, j) e^{k_j} / D_t <= 1, never overflows.
+        e_right = tl.exp(k_j + h)
+        dk_self = e_self * (v_j * a_j + b_j)
+        du += dk_self
+        dw -= e_right * (v_j * Sa + Sb)
+        dK = _put(dK, rows, j, dk_self + e_right * (v_j * Ra + Rb))
+        dV = _put(dV, rows, j, e_self * a_j + e_right * Ra)
+        valid = t0 + j < T
+        h2, Ra2, Rb2, Sa2, Sb2 = _push_grad(h, Ra, Rb, Sa, Sb, w, 1.0, s_j, a_j, b_j, 0.0, 0.0)
+        h = tl.where(valid, h2, h)
+        Ra = tl.where(valid, Ra2, Ra)
+        Rb = tl.where(valid, Rb2, Rb)
+        Sa = tl.where(valid, Sa2, Sa)
+        Sb = tl.where(valid, Sb2, Sb)
 
-        # Bonus term and everything from the right. Masked rows have k = _NEG: their e^k terms vanish.
-        dK = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
-        dV = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
-        for jj in tl.static_range(BLOCK_T):
-            j = BLOCK_T - 1 - jj  # constexpr: rows walked right to left
-            k_j = _row(K, rows, j)
-            v_j = _row(V, rows, j)
-            s_j = _row(S_, rows, j)
-            a_j = _row(Al, rows, j)
-            b_j = _row(Be, rows, j)
-            # e^{u + k_j} [alpha_j, beta_j]: the attention weight of token j on itself times g_j.
-            e_self = tl.exp((k_j + s_j) + u)
-            # e^{k_j} times the right carries: weights K(t, j) e^{k_j} / D_t <= 1, never overflows.
-            e_right = tl.exp(k_j + h)
-            dk_self = e_self * (v_j * a_j + b_j)
-            du += dk_self
-            dw -= e_right * (v_j * Sa + Sb)
-            dK = _put(dK, rows, j, dk_self + e_right * (v_j * Ra + Rb))
-            dV = _put(dV, rows, j, e_self * a_j + e_right * Ra)
-            valid = tile * BLOCK_T + j < T
-            h2, Ra2, Rb2, Sa2, Sb2 = _push_grad(h, Ra, Rb, Sa, Sb, w, s_j, a_j, b_j)
-            h = tl.where(valid, h2, h)
-            Ra = tl.where(valid, Ra2, Ra)
-            Rb = tl.where(valid, Rb2, Rb)
-            Sa = tl.where(valid, Sa2, Sa)
-            Sb = tl.where(valid, Sb2, Sb)
+    # Everything from the left, from the carries entering the chunk.
+    h = tl.load(bcarry_ptr + slot, mask=col_ok, other=_NEG)
+    La = tl.load(bcarry_ptr + slot + field, mask=col_ok, other=0.0)
+    Lb = tl.load(bcarry_ptr + slot + 2 * field, mask=col_ok, other=0.0)
+    Ma = tl.load(bcarry_ptr + slot + 3 * field, mask=col_ok, other=0.0)  # L'[alpha]
+    Mb = tl.load(bcarry_ptr + slot + 4 * field, mask=col_ok, other=0.0)  # L'[beta]
+    for j in tl.static_range(BLOCK_T):
+        k_j = _row(K, rows, j)
+        v_j = _row(V, rows, j)
+        e_left = tl.exp(k_j + h)
+        dw -= e_left * (v_j * Ma + Mb)
+        dK = _put(dK, rows, j, _row(dK, rows, j) + e_left * (v_j * La + Lb))
+        dV = _put(dV, rows, j, _row(dV, rows, j) + e_left * La)
+        # Rows past T only follow the last real one, so the left carries need no mask.
+        h, La, Lb, Ma, Mb = _push_grad(h, La, Lb, Ma, Mb, w, 1.0, _row(S_, rows, j), _row(Al, rows, j),
+                                       _row(Be, rows, j), 0.0, 0.0)
 
-        # Everything from the left, with the running left carries.
-        for j in tl.static_range(BLOCK_T):
-            k_j = _row(K, rows, j)
-            v_j = _row(V, rows, j)
-            e_left = tl.exp(k_j + hL)
-            dw -= e_left * (v_j * Ma + Mb)
-            dK = _put(dK, rows, j, _row(dK, rows, j) + e_left * (v_j * La + Lb))
-            dV = _put(dV, rows, j, _row(dV, rows, j) + e_left * La)
-            # Rows past T only follow the last real one, so the left carries need no mask.
-            hL, La, Lb, Ma, Mb = _push_grad(
-                hL, La, Lb, Ma, Mb, w, _row(S_, rows, j), _row(Al, rows, j), _row(Be, rows, j)
-            )
-
-        tl.store(dk_ptr + offs, dK.to(dk_ptr.dtype.element_ty), mask=mask)
-        tl.store(dv_ptr + offs, dV.to(dv_ptr.dtype.element_ty), mask=mask)
-
-    # Per-sequence partial sums; the wrapper adds them over the batch (deterministic, no atomics).
-    tl.store(du_ptr + b * C + cols, du, mask=col_ok)
-    tl.store(dw_ptr + b * C + cols, dw, mask=col_ok)
+    tl.store(dk_ptr + offs, dK.to(dk_ptr.dtype.element_ty), mask=mask)
+    tl.store(dv_ptr + offs, dV.to(dv_ptr.dtype.element_ty), mask=mask)
+    # Per-chunk partial sums; the caller adds them (deterministic, no atomics).
+    tl.store(part_ptr + slot, du, mask=col_ok)
+    tl.store(part_ptr + slot + field, dw, mask=col_ok)
 
 
-class _BiWKVTriton(torch.autograd.Function):
-    """Bi-WKV through the kernels above; saves y (fp32) and D = e^P d for the backward, O(B T C)."""
-
-    @staticmethod
-    def forward(ctx, w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        B, T, C = k.shape
-        # Forward runs under no_grad; what the backward will need is in needs_input_grad.
-        save = any(ctx.needs_input_grad)
-        n_tiles = triton.cdiv(T, BLOCK_T)
-        y = torch.empty_like(k)
-        f32 = dict(device=k.device, dtype=torch.float32)
-        # The backward needs y in fp32; for fp32 inputs that is y itself.
-        y32 = y if (k.dtype == torch.float32 or not save) else torch.empty(B, T, C, **f32)
-        P = torch.empty(B, T, C, **f32) if save else y32
-        d = torch.empty(B, T, C, **f32) if save else y32
-        carry = torch.empty(3, B, n_tiles, C, **f32)
-        grid = (B, triton.cdiv(C, BLOCK_C))
-        _bi_wkv_fwd_kernel[grid](
-            w, u, k, v, y, y32, P, d, carry, B, T, C, n_tiles,
-            BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, STORE_Y32=y32 is not y, SAVE=save, num_warps=NUM_WARPS,
-        )
-        if save:
-            ctx.save_for_backward(w, u, k, v, y32, P, d)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y: torch.Tensor):
-        w, u, k, v, y32, P, d = ctx.saved_tensors
-        B, T, C = k.shape
-        n_tiles = triton.cdiv(T, BLOCK_T)
-        grad_y = grad_y.contiguous()
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
-        f32 = dict(device=k.device, dtype=torch.float32)
-        du, dw = torch.empty(B, C, **f32), torch.empty(B, C, **f32)
-        carry = torch.empty(5, B, n_tiles, C, **f32)
-        grid = (B, triton.cdiv(C, BLOCK_C))
-        _bi_wkv_bwd_kernel[grid](
-            w, u, k, v, grad_y, y32, P, d, dk, dv, du, dw, carry, B, T, C, n_tiles,
-            BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=NUM_WARPS,
-        )
-        return dw.sum(0).to(w.dtype), du.sum(0).to(u.dtype), dk, dv
-
-
-def bi_wkv_triton(w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Bi-WKV of k, v (B, T, C) with decay w and bonus u (C,) through the Triton kernels; returns (B, T, C).
-
-    Same contract as backbones.ops.wkv.bi_wkv: computed in fp32, returned in promote(k, v) dtype (bf16 in,
-    bf16 out). fp32, bf16 and fp16 inputs; float64 is refused (the kernels accumulate in fp32).
-    """
-    dtype = torch.promote_types(k.dtype, v.dtype)
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"bi_wkv_triton takes fp32, bf16 or fp16 k and v, got {dtype}; use backend='torch'.")
+def _launch_shape(k: torch.Tensor):
     B, T, C = k.shape
-    if k.numel() == 0:
-        return torch.zeros(B, T, C, device=k.device, dtype=dtype) + 0 * (w.sum() + u.sum() + k.sum() + v.sum())
-    # k and v are read in their own dtype (no fp32 copy in memory); w, u are C floats.
-    return _BiWKVTriton.apply(
-        w.float().contiguous(), u.float().contiguous(), k.to(dtype).contiguous(), v.to(dtype).contiguous()
-    )
+    L = chunk_len(T)
+    n = triton.cdiv(T, L)
+    return B, T, C, L, n, lambda meta: (B, triton.cdiv(C, meta["BLOCK_C"]), n)
+
+
+def _combine(w: torch.Tensor, agg: torch.Tensor, L: int) -> torch.Tensor:
+    fields, B, n, C = agg.shape
+    carries = torch.empty_like(agg)
+    # One warp per 32 channels: the walk is n short steps, and its tiles keep rows in-thread.
+    _combine_kernel[(B, triton.cdiv(C, 32))](w, agg, carries, B, n, C, FIELDS=fields, BLOCK_T=L, BLOCK_C=32,
+                                              GROUP=_GROUP, num_warps=1)
+    return carries
+
+
+def forward(w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """y (B, T, C) in k's dtype and the chunk carries (6, B, n, C) the backward needs; w, u fp32 (C,);
+    k, v contiguous of one dtype."""
+    B, T, C, L, n, grid = _launch_shape(k)
+    agg = torch.empty(6, B, n, C, device=k.device, dtype=torch.float32)
+    _fwd_sums_kernel[grid](w, k, v, agg, B, T, C, n, BLOCK_T=L)
+    carries = _combine(w, agg, L)
+    y = torch.empty_like(k)
+    _fwd_kernel[grid](w, u, k, v, carries, y, B, T, C, n, BLOCK_T=L)
+    return y, carries
+
+
+def backward(w, u, k, v, carries, grad_y) -> tuple[torch.Tensor, ...]:
+    """dw, du (fp32 (C,)), dk, dv (k's dtype) from the forward's inputs and chunk carries."""
+    B, T, C, L, n, grid = _launch_shape(k)
+    grad_y = grad_y.contiguous()
+    agg = torch.empty(10, B, n, C, device=k.device, dtype=torch.float32)
+    _bwd_sums_kernel[grid](w, u, k, v, grad_y, carries, agg, B, T, C, n, BLOCK_T=L)
+    bcarries = _combine(w, agg, L)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    partial = torch.empty(2, B, n, C, device=k.device, dtype=torch.float32)
+    _bwd_kernel[grid](w, u, k, v, grad_y, carries, bcarries, dk, dv, partial, B, T, C, n, BLOCK_T=L)
+    return partial[1].sum(dim=(0, 1)), partial[0].sum(dim=(0, 1)), dk, dv  # dw, du: separate tensors
+
+
+def traffic(B: int, T: int, C: int, element_size: int, block_c: int = 32) -> dict[str, list[tuple[str, int, int]]]:
+    """The launches of `forward` and `backward` as (name, bytes moved, programs), each tensor counted once per
+    launch that reads or writes it (w and u, C floats, left out). block_c: channels per program, as picked."""
+    L = chunk_len(T)
+    n = triton.cdiv(T, L)
+    x = B * T * C * element_size  # one (B, T, C) tensor in k's dtype
+    slot = B * n * C * 4  # one fp32 field of a chunk scratch
+    tiles = B * triton.cdiv(C, block_c) * n
+    walks = B * triton.cdiv(C, 32)
+    return {
+        "forward": [
+            ("sums", 2 * x + 6 * slot, tiles),  # read k, v; write aggregates
+            ("combine", 12 * slot, walks),  # read aggregates, write carries
+            ("main", 3 * x + 6 * slot, tiles),  # read k, v, carries; write y
+        ],
+        "backward": [
+            ("sums", 3 * x + 16 * slot, tiles),  # read k, v, dy, forward carries; write aggregates
+            ("combine", 20 * slot, walks),
+            ("main", 5 * x + 18 * slot, tiles),  # read k, v, dy, both carries; write dk, dv, du/dw partials
+            ("du, dw sums", 2 * slot, 1),  # one torch reduction
+        ],
+    }

@@ -1,0 +1,187 @@
+"""Device functions of the Bi-WKV kernels (backbones/ops/wkv_triton.py, whose docstring explains the scheme):
+the walks along a chunk of tokens held as a (CHUNK, BLOCK_C) tile, and the loads that place a program's chunk.
+
+A carry is (integer log-scale h, mantissas): the value is e^h times the mantissas. Every push takes exp of a
+difference that is exact in fp32 (h - h_new is an integer, and h_new is within 0.5 of the largest term), which
+is why the walks, not a log-sum-exp over rows, compute every sum here.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Log-scale of an empty carry: finite, so that differences of scales never give inf - inf.
+_NEG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _row(tile, rows, j: tl.constexpr):
+    """Row j of a (rows, BLOCK_C) tile as a (BLOCK_C,) vector (a register pick when rows live in-thread)."""
+    return tl.sum(tl.where(rows[:, None] == j, tile, 0.0), axis=0)
+
+
+@triton.jit
+def _put(tile, rows, j: tl.constexpr, row):
+    """The tile with row j replaced by `row`."""
+    return tl.where(rows[:, None] == j, row[None, :], tile)
+
+
+@triton.jit
+def _push(h, A, D, decay, s, a, d):
+    """Carry e^h [A, D] -> e^{-decay} carry + e^s [a, d]; the new scale is an integer (module docstring)."""
+    h_new = tl.floor(tl.maximum(h - decay, s) + 0.5)
+    # The exponent is <= 0.5 by the choice of h_new; the cap only matters for two empty scales (_NEG absorbs
+    # the decay), whose mantissas are 0 and must stay finite.
+    f = tl.exp(tl.minimum((h - h_new) - decay, 1.0))
+    g = tl.exp(s - h_new)
+    return h_new, A * f + g * a, D * f + g * d
+
+
+@triton.jit
+def _push_grad(h, Ra, Rb, Sa, Sb, decay, span, s, a, b, sa, sb):
+    """Backward carries e^h [Ra, Rb] (R) and e^h [Sa, Sb] (R', distance-weighted) moved by `span` tokens
+    (decay = span w), then e^s [a, b] and e^s [sa, sb] added: R' <- e^{-decay} (R' + span R) + ...,
+    R <- e^{-decay} R + .... One token is span 1 with sa = sb = 0."""
+    h_new = tl.floor(tl.maximum(h - decay, s) + 0.5)
+    f = tl.exp(tl.minimum((h - h_new) - decay, 1.0))  # capped as in _push
+    g = tl.exp(s - h_new)
+    return h_new, Ra * f + g * a, Rb * f + g * b, (Sa + span * Ra) * f + g * sa, (Sb + span * Rb) * f + g * sb
+
+
+@triton.jit
+def _chunk_sums(K, V, rows, w, t0, T, BLOCK_T: tl.constexpr):
+    """A chunk's two aggregates [scale, num, den]: as the next chunk's first token sees it (left, a walk left to
+    right) and as the previous chunk's last token sees it (right, a walk right to left). A walk, not a log-sum-exp
+    of k_j - j w over the rows: rounding j w (up to 15 w) costs ulp(j w) in every weight, 1e-5 once |w| is 10,
+    while each step of a walk takes exp of a difference that is exact."""
+    hL = tl.full([K.shape[1]], _NEG, tl.float32)
+    AL = tl.zeros([K.shape[1]], tl.float32)
+    DL = tl.zeros([K.shape[1]], tl.float32)
+    hR = tl.full([K.shape[1]], _NEG, tl.float32)
+    AR = tl.zeros([K.shape[1]], tl.float32)
+    DR = tl.zeros([K.shape[1]], tl.float32)
+    for jj in tl.static_range(BLOCK_T):
+        # Padding rows past T end the left walk (the last chunk's left sums are never used) and must not
+        # enter the right one.
+        hL, AL, DL = _push(hL, AL, DL, w, _row(K, rows, jj), _row(V, rows, jj), 1.0)
+        j = BLOCK_T - 1 - jj  # constexpr: rows walked right to left
+        h2, A2, D2 = _push(hR, AR, DR, w, _row(K, rows, j), _row(V, rows, j), 1.0)
+        valid = t0 + j < T
+        hR = tl.where(valid, h2, hR)
+        AR = tl.where(valid, A2, AR)
+        DR = tl.where(valid, D2, DR)
+    return hL, AL, DL, hR, AR, DR
+
+
+@triton.jit
+def _chunk_sums_grad(S_, Al, Be, rows, w, t0, T, BLOCK_T: tl.constexpr):
+    """The backward's two aggregates [scale, R_a, R_b, R'_a, R'_b] of a chunk, walked as in _chunk_sums."""
+    hL = tl.full([S_.shape[1]], _NEG, tl.float32)
+    La = tl.zeros([S_.shape[1]], tl.float32)
+    Lb = tl.zeros([S_.shape[1]], tl.float32)
+    Ma = tl.zeros([S_.shape[1]], tl.float32)
+    Mb = tl.zeros([S_.shape[1]], tl.float32)
+    hR = tl.full([S_.shape[1]], _NEG, tl.float32)
+    Ra = tl.zeros([S_.shape[1]], tl.float32)
+    Rb = tl.zeros([S_.shape[1]], tl.float32)
+    Sa = tl.zeros([S_.shape[1]], tl.float32)
+    Sb = tl.zeros([S_.shape[1]], tl.float32)
+    for jj in tl.static_range(BLOCK_T):
+        hL, La, Lb, Ma, Mb = _push_grad(hL, La, Lb, Ma, Mb, w, 1.0, _row(S_, rows, jj), _row(Al, rows, jj),
+                                        _row(Be, rows, jj), 0.0, 0.0)
+        j = BLOCK_T - 1 - jj  # constexpr: rows walked right to left
+        h2, Ra2, Rb2, Sa2, Sb2 = _push_grad(hR, Ra, Rb, Sa, Sb, w, 1.0, _row(S_, rows, j), _row(Al, rows, j),
+                                            _row(Be, rows, j), 0.0, 0.0)
+        valid = t0 + j < T
+        hR = tl.where(valid, h2, hR)
+        Ra = tl.where(valid, Ra2, Ra)
+        Rb = tl.where(valid, Rb2, Rb)
+        Sa = tl.where(valid, Sa2, Sa)
+        Sb = tl.where(valid, Sb2, Sb)
+    return hL, La, Lb, Ma, Mb, hR, Ra, Rb, Sa, Sb
+
+
+@triton.jit
+def _fwd_tile(K, V, rows, w, u, hG, AG, DG, hH, AH, DH, t0, T, BLOCK_T: tl.constexpr):
+    """One chunk's outputs from its rows and carries: y, and the denominator as scale P and mantissa d.
+    G enters from the left (at the chunk's first token), H from the right (at its last)."""
+    # Right to left: Z_t = e^{u + k_t} [v_t, 1] + H_t, as integer scale Zh and mantissas Zn, Zd per row.
+    Zh = tl.zeros_like(K)
+    Zn = tl.zeros_like(K)
+    Zd = tl.zeros_like(K)
+    for jj in tl.static_range(BLOCK_T):
+        j = BLOCK_T - 1 - jj  # constexpr: rows walked right to left
+        k_j = _row(K, rows, j)
+        v_j = _row(V, rows, j)
+        m = tl.floor(tl.maximum(hH, k_j + u) + 0.5)
+        e_carry = tl.exp(hH - m)
+        e_self = tl.exp((k_j - m) + u)
+        Zh = _put(Zh, rows, j, m)
+        Zn = _put(Zn, rows, j, AH * e_carry + v_j * e_self)
+        Zd = _put(Zd, rows, j, DH * e_carry + e_self)
+        # Padding rows past T come first from the right: they must leave the carry empty.
+        valid = t0 + j < T
+        h2, A2, D2 = _push(hH, AH, DH, w, k_j, v_j, 1.0)
+        hH = tl.where(valid, h2, hH)
+        AH = tl.where(valid, A2, AH)
+        DH = tl.where(valid, D2, DH)
+    # Left to right: y_t = (G_t + Z_t) under the common integer scale P_t = max(h_G, h_Z).
+    Y = tl.zeros_like(K)
+    Pt = tl.zeros_like(K)
+    Dt = tl.zeros_like(K)
+    for j in tl.static_range(BLOCK_T):
+        m = _row(Zh, rows, j)
+        P = tl.maximum(hG, m)
+        e_left = tl.exp(hG - P)
+        e_z = tl.exp(m - P)
+        num = AG * e_left + _row(Zn, rows, j) * e_z
+        den = DG * e_left + _row(Zd, rows, j) * e_z
+        Y = _put(Y, rows, j, num / den)
+        Pt = _put(Pt, rows, j, P)
+        Dt = _put(Dt, rows, j, den)
+        # Rows past T only follow the last real one, so the left carry needs no mask.
+        hG, AG, DG = _push(hG, AG, DG, w, _row(K, rows, j), _row(V, rows, j), 1.0)
+    return Y, Pt, Dt
+
+
+@triton.jit
+def _tile(k_ptr, v_ptr, b, T, C, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Offsets, mask and the fp32 k (padding _NEG), v (padding 0) tiles of this program's chunk."""
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask = (t < T)[:, None] & (cols < C)[None, :]
+    offs = b.to(tl.int64) * T * C + t[:, None] * C + cols[None, :]
+    K = tl.load(k_ptr + offs, mask=mask, other=_NEG).to(tl.float32)
+    V = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return offs, mask, K, V
+
+
+@triton.jit
+def _slot(b, n_chunks, C, BLOCK_C: tl.constexpr):
+    """Offset of this program's (sequence, chunk, channels) in a (fields, B, n_chunks, C) scratch, and col mask."""
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    return (b * n_chunks + tl.program_id(2)) * C + cols, cols < C
+
+
+@triton.jit
+def _load_fwd_carries(carry_ptr, slot, col_ok, field):
+    hG = tl.load(carry_ptr + slot, mask=col_ok, other=_NEG)
+    AG = tl.load(carry_ptr + slot + field, mask=col_ok, other=0.0)
+    DG = tl.load(carry_ptr + slot + 2 * field, mask=col_ok, other=0.0)
+    hH = tl.load(carry_ptr + slot + 3 * field, mask=col_ok, other=_NEG)
+    AH = tl.load(carry_ptr + slot + 4 * field, mask=col_ok, other=0.0)
+    DH = tl.load(carry_ptr + slot + 5 * field, mask=col_ok, other=0.0)
+    return hG, AG, DG, hH, AH, DH
+
+
+@triton.jit
+def _cols(BLOCK_C: tl.constexpr):
+    return tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+
+
+@triton.jit
+def _alpha_beta(gy_ptr, offs, mask, Y, Pt, Dt):
+    """[alpha, beta] = e^{-P} [g / d, -y g / d] of the recomputed forward: scale and two mantissa tiles."""
+    Al = tl.where(mask, tl.load(gy_ptr + offs, mask=mask, other=0.0).to(tl.float32) / tl.where(mask, Dt, 1.0), 0.0)
+    return tl.where(mask, -Pt, _NEG), Al, -Y * Al
