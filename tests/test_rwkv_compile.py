@@ -89,3 +89,20 @@ def test_compiled_block_trains_as_eager(backend):
     got = _losses(compiled, forward)
     assert got == pytest.approx(expected, rel=1e-5, abs=1e-7)
     assert expected[-1] < expected[0]  # it trained, so the comparison covers the gradients too
+
+
+def test_kernel_op_registration():
+    # The Triton path of the op (interpreter on the CPU): its fake gives the real shapes, dtypes and strides of y
+    # and of the chunk carries the backward takes, and its autograd registration holds (what torch.compile uses
+    # on a GPU). bf16 k, v with fp32 w, u, as bi_wkv passes them.
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator().manual_seed(0)
+    w, u = (torch.rand(4, generator=g) / 20).to(device), (torch.randn(4, generator=g) / 20).to(device)
+    k, v = (torch.randn(1, 18, 4, generator=g).to(device, torch.bfloat16) for _ in range(2))
+    torch.library.opcheck(torch.ops.tread_zoo.bi_wkv.default, (w, u, k, v, 32, True),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    y, state = torch.ops.tread_zoo.bi_wkv(w, u, k, v, 32, True)
+    assert y.dtype == torch.bfloat16 and state.shape == (6, 1, 2, 4)  # two chunks of 16 tokens
+    grad_y = torch.randn(1, 18, 4, generator=g).to(device, torch.bfloat16)
+    torch.library.opcheck(torch.ops.tread_zoo.bi_wkv_backward.default, (w, u, k, v, state, grad_y, 32, True),
+                          test_utils=("test_schema", "test_faketensor"))
