@@ -8,13 +8,13 @@ backbones/ops/wkv_triton_walks.py.
 w, u: (C,) per-channel decay and bonus, already divided by T by the caller; k, v: (B, T, C).
 
 Why chunk-parallel. The work is tiny (about 30 flops and 4 exponentials per element and pass) and the bytes
-are few (B64 T256 C384 bf16: 38 MB in, out is read k, v, write y), so the kernel is neither compute- nor
+are few (B64 T256 C384 bf16: 38 MB to read k, v and write y), so the kernel is neither compute- nor
 bandwidth-bound: it is bound by latency, the chain of dependent exponentials of a sequential walk and the wait
 for each tile of loads. One program per (sequence, 32 channels) walking all of T gives 768 one-warp programs
 at the reference shape, about 1.5 warps per SM sub-partition with nothing to switch to while one waits. So the
 sequence is cut into chunks of CHUNK = 16 tokens and every (sequence, channel block, chunk) is a program of its
-own (12,288 at the reference shape, about 23 per SM): each walks only its 16 tokens, and what it receives from
-outside its chunk arrives as two carries computed beforehand.
+own (12,288 at the reference shape, 93 per SM, of which registers let 9 to 14 run at once): each walks only its
+16 tokens, and what it receives from outside its chunk arrives as two carries computed beforehand.
 
 Three launches per direction. (1) `sums`: per chunk, what it adds to the carries of its neighbours, from empty
 carries: two independent 16-step walks over its rows (left to right, right to left), so the chains are short and
