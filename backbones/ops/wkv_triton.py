@@ -93,8 +93,9 @@ def _configs(backward: bool = False) -> list[triton.Config]:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return [triton.Config({"BLOCK_C": 32}, num_warps=1)]
     # Rows stay in-thread only with threads along channels: BLOCK_C a multiple of 32 * num_warps. Two channels
-    # per thread (64 on one warp) spill in the backward (ptxas, sm_90), so only the forward tries it.
-    shapes = [(32, 1), (64, 2), (128, 4)] + ([] if backward else [(64, 1)])
+    # per thread (64 on one warp) spill in the backward (ptxas, sm_90), so only the forward tries it. Few
+    # configs: each is compiled on first use (seconds per kernel), and the choice is mostly the CTA size.
+    shapes = [(32, 1), (128, 4)] + ([] if backward else [(64, 1)])
     return [triton.Config({"BLOCK_C": bc}, num_warps=nw) for bc, nw in shapes]
 
 
