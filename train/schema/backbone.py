@@ -11,7 +11,7 @@ from train.schema.keys import REFUSE, key
 @dataclass
 class BackboneConfig:
     name: str = key("dit", "block family (backbone=dit|rwkv|mamba|diffmoe picks it with its defaults)", example="dit", on_resume=REFUSE)
-    preset: str = key("tiny", "size preset of the family (DiT: tiny, S, B, L, XL)", example="S", on_resume=REFUSE)
+    preset: str = key("tiny", "size preset of the family (DiT: tiny, S, B, L, XL; RWKV and Mamba add paper sizes: python -m train.bench.presets)", example="S", on_resume=REFUSE)
     patch_size: int = key(2, "patch side in pixels (or latent cells); must divide the image size", ge=1, le=64, example=2, on_resume=REFUSE)
     depth: Optional[int] = key(None, "number of blocks (null: the preset's)", ge=1, le=1024, example=12, on_resume=REFUSE)
     hidden_size: Optional[int] = key(None, "width (null: the preset's)", ge=8, le=65536, example=384, on_resume=REFUSE)
