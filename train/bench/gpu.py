@@ -28,7 +28,8 @@ from functools import partial
 from pathlib import Path
 
 from train.bench.gpu_budget import Section, run_sections
-from train.cli import ArgumentParser, bounded, device as device_type, output_folder
+from routing import ConfigError
+from train.cli import ArgumentParser, bounded, device as device_type, output_folder, refuse
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Settings:
     cuda_graphs: bool = False
     bf16: bool = True
     steps: dict = field(default_factory=dict)  # (backbone, preset, policy, batch, channels) -> measured row
+    tread: Path | None = None  # a local copy of CompVis/tread's dit.py and routing_module.py (--tread)
 
     def preset(self, full: str) -> str:
         return "tiny" if self.dry_run else full
@@ -108,6 +110,21 @@ def trainer(s: Settings, remaining: float) -> dict:
     return {"status": "measured", "records": [row], "note": note}
 
 
+def official(s: Settings) -> dict:
+    """DiT-XL/2 TREAD beside CompVis/tread's DiT in one run (train.bench.official), from the copy --tread names."""
+    from train.bench.official import main as side_by_side
+
+    argv = ["--tread", str(s.tread), "--presets", s.preset("XL"), "--batch", str(s.batch(64)), "--input-size", str(s.size),
+            "--device", str(_device(s)), "--compile", s.compile, "--repeats", str(_repeats(s, s.repeats, s.warmup)[0]),
+            "--warmup", str(_repeats(s, s.repeats, s.warmup)[1])]
+    argv += (["--bf16"] if s.bf16 else []) + (["--cuda-graphs"] if s.cuda_graphs else [])
+    try:
+        (row,) = side_by_side(argv)
+    except SystemExit as stop:  # its refusal (the message is above) must not end the whole check
+        raise RuntimeError(f"train.bench.official refused its arguments (exit {stop.code}): {' '.join(argv)}") from None
+    return {"status": "measured", "records": [row], "note": ""}
+
+
 def sections(s: Settings) -> list[Section]:
     """Every section in order of importance, with a guess of its time on one H100 (not yet measured there: the
     report records each section's real time, to correct these)."""
@@ -119,6 +136,8 @@ def sections(s: Settings) -> list[Section]:
         Section("mamba-S", "Mamba-S/2, rows, batch 64", "steps", 60, partial(step, s, "mamba", "S", "rows", 64)),
         Section("dit-S", "DiT-S/2, TREAD, batch 64 (the scan families' MFU reference)", "steps", 30, partial(step, s, "dit", "S", "random", 64)),
         Section("dit-XL-tread", "DiT-XL/2, TREAD, batch 64", "steps", 50, partial(step, s, "dit", "XL", "random", 64)),
+        *([Section("dit-XL-official", "DiT-XL/2, TREAD, batch 64, beside CompVis/tread's DiT", "official", 120,
+                   partial(official, s))] if s.tread else []),
         Section("dit-XL-sprint", "DiT-XL/2, SPRINT, batch 64", "steps", 50, partial(step, s, "dit", "XL", "sprint", 64)),
         Section("dit-B-tread", "DiT-B/2, TREAD, batch 128, 32x32x3", "steps", 30, partial(step, s, "dit", "B", "random", 128, 3)),
         Section("trainer", "python -m train against the bare step (DiT-B/2, batch 128)", "trainer", 60, partial(trainer, s),
@@ -129,6 +148,7 @@ def sections(s: Settings) -> list[Section]:
 
 SECTION_NAMES = ("kernels", "families", "kernel-speed", "rwkv-S", "mamba-S", "dit-S", "dit-XL-tread", "dit-XL-sprint",
                  "dit-B-tread", "trainer", "dit-B-sprint")
+OPTIONAL_SECTIONS = ("dit-XL-official",)  # only with --tread
 
 
 def _checked(records: list[dict]) -> dict:
@@ -174,7 +194,10 @@ def parse(argv: list[str] | None):
                         "trainer.cuda_graphs=true)")
     p.add_argument("--repeats", type=bounded(int, 1, 1000, example="--repeats 10"), default=10, help="timed steps per row")
     p.add_argument("--warmup", type=bounded(int, 0, 100, example="--warmup 3"), default=3, help="untimed steps per row")
-    p.add_argument("--sections", nargs="+", choices=SECTION_NAMES, default=None, metavar="NAME",
+    p.add_argument("--tread", type=Path, default=None, metavar="DIR",
+                   help="a folder with a local copy of CompVis/tread's dit.py and routing_module.py: adds DiT-XL/2 side by side "
+                        "with the official code (train.bench.official)")
+    p.add_argument("--sections", nargs="+", choices=SECTION_NAMES + OPTIONAL_SECTIONS, default=None, metavar="NAME",
                    help=f"run only these ({', '.join(SECTION_NAMES)})")
     p.add_argument("--dry-run", action="store_true", help="every section at tiny shapes on the CPU, to check the command itself")
     args = p.parse_args(argv)
@@ -188,6 +211,13 @@ def parse(argv: list[str] | None):
         args.device = "cuda"
     elif not args.device.startswith("cuda"):
         p.error(f"--device {args.device} is not a GPU; the full check needs one (--dry-run checks the command on the CPU)")
+    if args.tread is not None:  # refused before the run, not after the sections before it
+        from train.bench.official import load_official
+
+        try:
+            load_official(args.tread)
+        except ConfigError as err:
+            refuse(err)
     from train.bench.gpu_speed import best_compile_mode, routing_compile_modes, routing_offers_cuda_graphs
 
     if args.dry_run:  # compiling on a CPU takes minutes per graph; the dry run checks the command, not speed
@@ -211,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
     from train.bench import gpu_report
     from train.bench.timing import now
 
-    s = Settings(args.device, args.dry_run, args.compile, args.repeats, args.warmup, args.cuda_graphs)
+    s = Settings(args.device, args.dry_run, args.compile, args.repeats, args.warmup, args.cuda_graphs, tread=args.tread)
     if s.dry_run:
         torch.set_num_threads(1)  # tiny shapes gain nothing from threads, and lose much on a busy machine
     chosen = [x for x in sections(s) if args.sections is None or x.name in args.sections]

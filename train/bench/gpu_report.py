@@ -75,6 +75,11 @@ def goals(sections: list[dict], dry_run: bool) -> list[dict]:
             goal("DiT-XL/2 TREAD: routed MFU >= 45%", get("dit-XL-tread", "mfu_routed"), 0.45, ".1%"),
             goal("DiT-XL/2 SPRINT: routed efficiency >= 0.85", get("dit-XL-sprint", "efficiency"), 0.85, ".2f"),
             goal("python -m train: at least 0.95 of the bare step's images/s", get("trainer", "ratio"), 0.95, ".2f")]
+    if any(s["name"] == "dit-XL-official" for s in sections):  # asked for with --tread
+        beside = "DiT-XL/2 TREAD beside CompVis/tread's DiT"
+        out += [goal(f"{beside}: routed step at most 0.8x the official one", get("dit-XL-official", "ratio_routed"), 0.8, ".2f", at_most=True),
+                goal(f"{beside}: routed MFU >= 45%", get("dit-XL-official", "mfu_routed"), 0.45, ".1%"),
+                goal(f"{beside}: compile time under 90 s", get("dit-XL-official", "compile_s"), 90.0, ".0f", at_most=True)]
     return out
 
 
@@ -138,6 +143,12 @@ TABLES = {
                                f"{r['ms_torch_fwd_bwd']:.3f} | {r['speedup_vs_torch']:.1f}x | {r['ideal_bytes_fwd_bwd'] / 1e6:.1f} | "
                                f"{r['achieved_gbps']:.0f} | {_f(r['peak_fraction'], '.0%')} | {_f(r['roofline_ms'], '.3f')} | "
                                f"{_goal(r)} |"),
+    "official": ("| model | route | batch | compile | official ms unrouted | ours ms unrouted | official ms routed | ours ms routed | "
+                 "ours / official routed | MFU ours routed | compile s (graphs) | official first steps s |",
+                 lambda r: f"| DiT-{r['preset']}/2 ({r['tokens']} tokens) | {r['route']} | {r['batch']} | {r['compile']}"
+                           f"{' +graphs' if r['cuda_graphs'] else ''} | {r['ms_official_unrouted']:.1f} | {r['ms_ours_unrouted']:.1f} | "
+                           f"{r['ms_official_routed']:.1f} | {r['ms_ours_routed']:.1f} | {r['ratio_routed']:.2f}x | "
+                           f"{_f(r['mfu_routed'], '.1%')} | {_f(r['compile_s'], '.0f')} ({_f(r['graphs'], 'd')}) | {r['official_first_s']:.0f} |"),
     "trainer": ("| command | trainer images/s | bare step images/s | trainer / bare |",
                 lambda r: f"| `{r['command']}` | {r['trainer_images_per_s']:.0f} | {_f(r['bare_images_per_s'], '.0f')} | "
                           f"{_f(r['ratio'], '.2f')} |"),
@@ -146,6 +157,7 @@ TABLES = {
 
 HEADINGS = {"kernel_checks": "Kernels against their references", "family_checks": "Families on the device against the CPU",
             "kernel_speed": "Kernels at their reference shapes", "steps": "Training steps (train.bench.routing)",
+            "official": "Side by side with CompVis/tread's DiT (train.bench.official)",
             "trainer": "python -m train against the bare step"}
 # How to read each table, printed above it.
 READING = {
@@ -158,6 +170,9 @@ READING = {
                     "achieved GB/s and the fraction of the card's peak are of those bytes over the forward+backward time.",
     "steps": "One EDM step with fused AdamW, unrouted and routed on the same weights, timed interleaved; efficiency = measured "
              "speedup / FLOP-ideal speedup; MFU = counted FLOPs / time / the card's dense bf16 peak.",
+    "official": "Both DiTs at the same size and route behind our EDM preconditioning, one EDM step with fused AdamW each, timed "
+                "interleaved; ours runs the block after a route in fp32 as the official forward does; the official blocks compile "
+                "with their own @torch.compile. MFU = our counted FLOPs / our time / the card's dense bf16 peak.",
     "trainer": "python -m train's images/s over its logged steps after the first logged one (compilation and warm-up), "
                "against batch / the bare routed step's time at the same shape and compile mode.",
 }

@@ -1,0 +1,180 @@
+"""`python -m train.bench.official`: our DiT beside CompVis/tread's, loaded by path from the folder --tread names.
+
+The official code is never in this repository, so these tests write their own stand-in folder: a tiny dit.py and
+routing_module.py written here from scratch that offer only the same small surface (DiT_models, get_model, DiT,
+routes as dicts, enable_routing, forward(x, t, y)). They test our loader, the side-by-side step and timing, the
+table and the refusals; they say nothing about the official code itself, which only a run with a real copy
+measures (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+
+from train.bench import gpu, gpu_report, official
+
+ROUTING_MODULE = '''
+import torch
+
+
+class Router:
+    """Keeps a random subset of the tokens; counts what it kept, so the test sees the routes it ran."""
+
+    kept = []
+
+    def get_mask(self, x, selection_rate=0.0):
+        n = x.shape[1]
+        keep = n - int(n * selection_rate)
+        Router.kept.append(keep)
+        return torch.rand(x.shape[0], n, device=x.device).argsort(dim=1)[:, :keep]
+
+    def start_route(self, x, ids):
+        return torch.gather(x, 1, ids[..., None].expand(-1, -1, x.shape[2]))
+
+    def end_route(self, sub, ids, original_x):
+        return original_x.scatter(1, ids[..., None].expand(-1, -1, original_x.shape[2]), sub)
+'''
+
+DIT = '''
+import torch
+from torch import nn
+
+from routing_module import Router
+
+RETURNS_DICT = {returns_dict}
+
+
+class DiT(nn.Module):
+    def __init__(self, input_size=8, patch_size=2, in_channels=4, hidden_size=32, depth=4, num_heads=2, num_classes=10,
+                 enable_routing=False, routes=None, **unused):
+        super().__init__()
+        self.p = patch_size
+        self.embed = nn.Linear(in_channels * patch_size ** 2, hidden_size)
+        self.time = nn.Linear(1, hidden_size)
+        self.label = nn.Embedding(num_classes + 1, hidden_size)
+        self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(depth))
+        self.out = nn.Linear(hidden_size, in_channels * patch_size ** 2)
+        self.enable_routing, self.routes = enable_routing, list(routes or [])
+        if enable_routing:
+            self.router = Router()
+
+    def forward(self, x, t, y, **kwargs):
+        b, c, h, w = x.shape
+        p = self.p
+        x = x.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(b, -1, c * p * p)  # (B, N, C p p)
+        x = self.embed(x) + (self.time(t[:, None].float()) + self.label(y))[:, None]
+        routes = self.routes if self.training and self.enable_routing else []
+        for i, block in enumerate(self.blocks):
+            for r in routes:
+                if i == r["start_layer_idx"]:
+                    whole, ids = x, self.router.get_mask(x, r["selection_ratio"])
+                    x = self.router.start_route(x, ids)
+            x = x + torch.tanh(block(x))
+            for r in routes:
+                if i == r["end_layer_idx"]:
+                    x = self.router.end_route(x, ids, original_x=whole)
+        x = self.out(x).reshape(b, h // p, w // p, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)  # (B, C, H, W)
+        return {{"x": x}} if RETURNS_DICT else x
+
+
+DiT_models = {{"DiT-S/2": lambda **kw: DiT(hidden_size=384, depth=12, num_heads=6, patch_size=2, **kw)}}
+
+
+def get_model(name, params):
+    return DiT_models[name](**params)
+'''
+
+
+def stand_in(folder, returns_dict: bool = False, dit: str | None = None, routing: bool = True):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "dit.py").write_text(textwrap.dedent(DIT.format(returns_dict=returns_dict) if dit is None else dit))
+    if routing:
+        (folder / "routing_module.py").write_text(ROUTING_MODULE)
+    return folder
+
+
+TINY = ["--presets", "tiny", "--input-size", "8", "--batch", "2", "--repeats", "1", "--warmup", "0", "--threads", "1"]
+
+
+@pytest.mark.parametrize("returns_dict", [False, True])
+def test_both_sides_run_the_same_route_and_the_table_is_printed(tmp_path, capsys, monkeypatch, returns_dict):
+    folder = stand_in(tmp_path / "tread", returns_dict)
+    loaded = []
+    load = official.load_official
+    monkeypatch.setattr(official, "load_official", lambda f: loaded.append(load(f)) or loaded[-1])
+    (row,) = official.main(["--tread", str(folder), *TINY])
+    out = capsys.readouterr().out
+    # Loaded by path and left nothing behind: the folder is off sys.path, its routing_module out of sys.modules.
+    assert str(folder) not in sys.path and "routing_module" not in sys.modules
+    # The official side ran routed with our config's route (tiny: depth 8, r2->4, half of 16 tokens kept).
+    assert row["route"] == "r2->4 x0.5" and loaded[0].Router.kept and set(loaded[0].Router.kept) == {8}
+    assert row["built"] == "DiT(**PRESETS['tiny'])"  # the stand-in, like the official code, names no tiny DiT
+    for kind in ("unrouted", "routed"):
+        assert row[f"ms_official_{kind}"] > 0 and row[f"ms_ours_{kind}"] > 0
+        assert row[f"ratio_{kind}"] == pytest.approx(row[f"ms_ours_{kind}"] / row[f"ms_official_{kind}"])
+    assert "routing.fp32_after_route=true" in out and "| official ms | ours ms | ours / official | MFU ours |" in out
+    assert "| DiT-tiny/2 | r2->4 x0.5 | 2 | routed |" in out and "(goal <= 0.8x)" in out and "first unrouted + routed steps" in out
+
+
+def test_a_paper_size_is_built_by_its_official_name(tmp_path):
+    module = official.load_official(stand_in(tmp_path / "tread"))
+    dit, built = official.build_official(module, "S", 8, 4, 2, 1000, [])
+    assert built == "get_model('DiT-S/2')" and len(dit.blocks) == 12
+
+
+@pytest.mark.parametrize("case, says", [
+    ("no folder", "is not a folder"),
+    ("no routing_module.py", "has no routing_module.py"),
+    ("no files", "has no dit.py or routing_module.py"),
+    ("no get_model", "does not define get_model"),
+    ("dit.py imports a missing package", "could not import no_such_package"),
+])
+def test_a_folder_without_the_official_files_is_refused_in_one_sentence(tmp_path, capsys, case, says):
+    folder = tmp_path / "tread"
+    if case == "no routing_module.py":
+        stand_in(folder, routing=False)
+    elif case == "no files":
+        folder.mkdir()
+    elif case == "no get_model":
+        stand_in(folder, dit="import torch\nDiT_models = {}\nclass DiT(torch.nn.Module):\n    pass\n")
+    elif case == "dit.py imports a missing package":
+        stand_in(folder, dit="import no_such_package\n")
+    with pytest.raises(SystemExit) as stop:
+        official.main(["--tread", str(folder), *TINY])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert says in err and "--tread" in err
+    if case != "dit.py imports a missing package":
+        assert "dit.py and routing_module.py" in err  # what to put there
+    assert str(folder) not in sys.path
+
+
+def test_the_gpu_check_refuses_a_bad_tread_folder_before_running(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        gpu.main(["--dry-run", "--out", str(tmp_path / "out"), "--tread", str(tmp_path / "nowhere")])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and "--tread" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "out" / "report.json").exists()
+
+
+def test_the_gpu_check_runs_the_side_by_side_section_and_lists_its_goals(tmp_path):
+    report = gpu.main(["--dry-run", "--sections", "dit-XL-official", "--out", str(tmp_path / "out"), "--tread", str(stand_in(tmp_path / "tread"))])
+    (section,) = report["sections"]
+    assert section["status"] == "measured", section["note"]
+    assert section["records"][0]["preset"] == "tiny" and section["records"][0]["ratio_routed"] > 0
+    goals = [g for g in report["goals"] if "CompVis/tread" in g["goal"]]
+    assert len(goals) == 3 and all(g["met"] is None for g in goals)  # a dry run decides none
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## Side by side with CompVis/tread's DiT" in md and "| DiT-tiny/2 (16 tokens) | r2->4 x0.5 |" in md
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["goals"] == report["goals"]
+
+
+def test_the_official_goals_are_decided_by_the_measured_row():
+    row = {"section": "dit-XL-official", "ratio_routed": 0.75, "mfu_routed": 0.40, "compile_s": 95.0}
+    sections = [{"name": "dit-XL-official", "status": "measured", "records": [row]}]
+    goals = {g["goal"].split(": ", 1)[1]: g["met"] for g in gpu_report.goals(sections, dry_run=False) if "CompVis" in g["goal"]}
+    assert goals == {"routed step at most 0.8x the official one": True, "routed MFU >= 45%": False, "compile time under 90 s": False}
