@@ -9,6 +9,7 @@ measures (docs/performance.md).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import textwrap
@@ -116,7 +117,10 @@ def test_both_sides_run_the_same_route_and_the_table_is_printed(tmp_path, capsys
     for kind in ("unrouted", "routed"):
         assert row[f"ms_official_{kind}"] > 0 and row[f"ms_ours_{kind}"] > 0
         assert row[f"ratio_{kind}"] == pytest.approx(row[f"ms_ours_{kind}"] / row[f"ms_official_{kind}"])
-    assert "routing.fp32_after_route=true" in out and "| official ms | ours ms | ours / official | MFU ours |" in out
+    # The copy measured is named by its files' hash, so a report says which version of the official code it timed.
+    digest = hashlib.sha256((folder / "dit.py").read_bytes() + (folder / "routing_module.py").read_bytes()).hexdigest()[:12]
+    assert row["official_sha256"] == digest and f"files sha256 {digest}" in out
+    assert row["fp32_after_route"] and "routing.fp32_after_route=true" in out and "| official ms | ours ms | ours / official | MFU ours |" in out
     assert "| DiT-tiny/2 | r2->4 x0.5 | 2 | routed |" in out and "(goal <= 0.8x)" in out and "first unrouted + routed steps" in out
 
 

@@ -19,6 +19,7 @@ are timed interleaved; the first steps of each side (compilation) are timed apar
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import itertools
 import os
@@ -61,6 +62,14 @@ def load_official(folder) -> ModuleType:
         raise ConfigError(f"--tread {folder}: its dit.py does not define {', '.join(lacking) or 'DiT_models as a dict'}, "
                           f"so it is not CompVis/tread's; {fix}.")
     return module
+
+
+def fingerprint(folder) -> str:
+    """The first 12 hex digits of the SHA-256 of dit.py and routing_module.py together: which copy was measured."""
+    digest = hashlib.sha256()
+    for name in FILES:
+        digest.update((Path(folder).expanduser() / name).read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _import_by_path(folder: Path) -> ModuleType:
@@ -161,7 +170,7 @@ def measure(args, preset: str, module: ModuleType) -> dict:
     route = router.routes[0]
     row = {"preset": preset, "tokens": model.grid[0] * model.grid[1], "batch": args.batch, "built": built,
            "route": f"r{route.start_layer_idx}->{route.end_layer_idx} x{route.selection_ratio}",
-           "params_official": _trained(dit), "params_ours": _trained(model),
+           "params_official": _trained(dit), "params_ours": _trained(model), "fp32_after_route": router.fp32_after_route,
            "compile": args.compile, "cuda_graphs": args.cuda_graphs, "compile_s": first["ours"] if args.compile != "off" else None,
            "graphs": graphs if args.compile != "off" else None, "official_first_s": first["official"]}
     for kind in ("unrouted", "routed"):
@@ -217,16 +226,17 @@ def main(argv=None) -> list[dict]:
     off = torch._dynamo.config.disable or os.environ.get("TORCHDYNAMO_DISABLE") == "1"
     theirs = "eager: torch.compile disabled for the process, ours too" if off else "its blocks' @torch.compile"
     where = torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else f"cpu, threads={torch.get_num_threads()}"
-    print(f"DiT side by side with CompVis/tread's (from {Path(args.tread).expanduser()}) | {where} | bf16={args.bf16} | "
-          f"ours: compile={args.compile}{' +cuda graphs' if args.cuda_graphs else ''}, routing.fp32_after_route=true (the official "
-          f"block after a route runs in fp32) | official: {theirs} | torch {torch.__version__}")
+    print(f"DiT side by side with CompVis/tread's (from {Path(args.tread).expanduser()}, files sha256 {fingerprint(args.tread)}) | "
+          f"{where} | bf16={args.bf16} | "
+          f"ours: compile={args.compile}{' +cuda graphs' if args.cuda_graphs else ''} | official: {theirs} | torch {torch.__version__}")
     header = "| model | route | batch | step | official ms | ours ms | ours / official | MFU ours |"
     rows = []
     for preset in args.presets:
-        r = measure(args, preset, module)
+        r = {**measure(args, preset, module), "official_sha256": fingerprint(args.tread)}
         rows.append(r)
         print(f"DiT-{preset}/{args.patch}, {r['tokens']} tokens: official built by {r['built']}, {r['params_official']:,} "
-              f"trained parameters; ours {r['params_ours']:,}")
+              f"trained parameters; ours {r['params_ours']:,}, routing.fp32_after_route={str(r['fp32_after_route']).lower()} "
+              "(the official block after a route runs in fp32)")
         print(header)
         print("|---" * (header.count("|") - 1) + "|")
         for kind in ("unrouted", "routed"):
