@@ -146,11 +146,16 @@ class Alignment(nn.Module):
             capture = self._teacher_captures[id(backbone)] = HiddenCapture(backbone, [self.teacher_layer])
         u = torch.rand(t.shape, device=t.device) if u is None else u.to(t.device)
         capture.stop_after = self.teacher_layer
-        with backbone.router.forced(0.0):
-            try:
-                objective.loss(ema, y, labels, teacher_time(objective.name, t, self.teacher_gap, u), noise)
-            except EnoughCaptured:
-                pass
-        hidden = capture.hidden[self.teacher_layer]
-        capture.clear()
+        capture.attach()
+        try:
+            with backbone.router.forced(0.0):
+                try:
+                    objective.loss(ema, y, labels, teacher_time(objective.name, t, self.teacher_gap, u), noise)
+                except EnoughCaptured:
+                    pass
+            hidden = capture.hidden[self.teacher_layer]
+        finally:
+            # Hooks off between teacher forwards: the EMA's own forwards (previews, FID) run whole and keep nothing.
+            capture.detach()
+            capture.clear()
         return hidden

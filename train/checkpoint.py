@@ -121,7 +121,7 @@ def load_trained_state(net, state: dict, which: str, cfg: DictConfig) -> None:
 
 
 def save_checkpoint(ckpt_root: Path, step: int, model, ema_model, optimizer, cfg: DictConfig, keep: int = 2,
-                    gathered: dict | None = None) -> Path:
+                    gathered: dict | None = None, align: dict | None = None) -> Path:
     """Write checkpoint `step` so that the folder always holds a loadable one that `latest` names.
 
     New files go to a temporary folder first. Re-saving an existing step moves the old folder aside to
@@ -130,7 +130,8 @@ def save_checkpoint(ckpt_root: Path, step: int, model, ema_model, optimizer, cfg
     meanwhile). Rotation keeps the `keep` newest and never deletes the one `latest` names.
 
     `gathered`: the full "model", "ema" and "optimizer" (keyed by parameter name) states of an FSDP-sharded run, which
-    the processes gathered together (the modules hold shards only).
+    the processes gathered together (the modules hold shards only). `align`: the alignment projector's state
+    (align=repa|self), saved as align.safetensors beside the model, never in it (exports and load_run do not read it).
     """
     if gathered is None:
         model_state, ema_state = _contiguous(trained_state(model, cfg)), _contiguous(trained_state(ema_model, cfg))
@@ -138,7 +139,8 @@ def save_checkpoint(ckpt_root: Path, step: int, model, ema_model, optimizer, cfg
     else:
         model_state, ema_state, optimizer_state = gathered["model"], gathered["ema"], gathered["optimizer"]
         extra = {"optimizer_keys": "names"}
-    bad = non_finite(model_state) + non_finite(ema_state)
+    align_state = _contiguous(align) if align is not None else None
+    bad = non_finite(model_state) + non_finite(ema_state) + non_finite(align_state or {})
     if bad:
         raise NonFiniteWeights(f"{len(bad)} tensors hold NaN or inf (e.g. {bad[0]!r})")
     ckpt_root.mkdir(parents=True, exist_ok=True)
@@ -150,7 +152,10 @@ def save_checkpoint(ckpt_root: Path, step: int, model, ema_model, optimizer, cfg
         save_file(model_state, tmp / "model.safetensors")
         save_file(ema_state, tmp / "ema.safetensors")
         torch.save({"optimizer": optimizer_state, "torch_rng": torch.get_rng_state(), **extra}, tmp / "optimizer.pt")
-        digests = {name: _sha256(tmp / name) for name in ("model.safetensors", "ema.safetensors", "optimizer.pt")}
+        if align_state is not None:
+            save_file(align_state, tmp / "align.safetensors")
+        written = ("model.safetensors", "ema.safetensors", "optimizer.pt") + (("align.safetensors",) if align_state is not None else ())
+        digests = {name: _sha256(tmp / name) for name in written}
         state = {"step": step, "sha256": digests}
         if finetune_family(cfg):
             state["pretrained"] = model_config(pretrained_of(model))
@@ -252,6 +257,8 @@ def load_checkpoint(path: Path, cfg: DictConfig | None = None) -> dict:
     try:
         model, ema = load_file(path / "model.safetensors"), load_file(path / "ema.safetensors")
         extra = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
+        if (path / "align.safetensors").is_file():  # the alignment projector (align=repa|self)
+            extra["align"] = load_file(path / "align.safetensors")
     except Exception as err:  # safetensors and pickle raise many types for a damaged file
         first = str(err).strip().splitlines()[0] if str(err).strip() else "damaged"
         raise ConfigError(f"checkpoint '{path}' is unreadable ({type(err).__name__}: {first.rstrip('.')}); resume from an older "
@@ -260,7 +267,8 @@ def load_checkpoint(path: Path, cfg: DictConfig | None = None) -> dict:
         if _sha256(path / name) != digest:
             raise ConfigError(f"checkpoint '{path}' is corrupted ({name} does not match the checksum written with it); "
                               "resume from an older step_* folder.")
-    for name, tensors in (("model.safetensors", model), ("ema.safetensors", ema), ("optimizer.pt", extra.get("optimizer", {}))):
+    for name, tensors in (("model.safetensors", model), ("ema.safetensors", ema), ("optimizer.pt", extra.get("optimizer", {})),
+                          ("align.safetensors", extra.get("align", {}))):
         bad = non_finite(tensors)
         if bad:
             raise ConfigError(f"checkpoint '{path}' holds NaN or inf in {name} ({len(bad)} tensors, e.g. {bad[0]!r}); "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 # The streams of one step's generators (the third key of `seeded`).
-NOISE, ORDER, AUGMENT, ROUTES = 0, 1, 2, 3
+NOISE, ORDER, AUGMENT, ROUTES, ALIGN = 0, 1, 2, 3, 4  # ALIGN: the self-alignment teacher's noise gap (align=self)
 
 
 def seeded(*keys: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -72,3 +72,9 @@ class Batches:
         noise_all = torch.randn(G, *shape, generator=g, device=device)
         drop_all = torch.rand(G, generator=g, device=device) < cfg.edm.label_dropout
         return t_all, noise_all, drop_all
+
+    def _align_draws(self) -> torch.Tensor:
+        """The global batch's uniforms u (G,) for the EMA teacher's lower noise level (align=self), from a stream of their
+        own: turning alignment on leaves the noise, levels, label drops and routes of every step as they were."""
+        device = self.acc.device
+        return torch.rand(self.cfg.trainer.batch_size, generator=seeded(self.cfg.seed, self.step, ALIGN, device=device), device=device)

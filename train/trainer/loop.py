@@ -67,7 +67,8 @@ class Loop:
                 now = time.perf_counter()
                 images_per_s = t.batch_size * (self.step - since[0]) / (now - since[1])
                 since = (self.step, now)
-                bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{images_per_s:.0f}")
+                aligned = {"align": f"{self.last_aux['align']:.4f}"} if "align" in self.last_aux else {}
+                bar.set_postfix(loss=f"{loss:.4f}", **aligned, img_s=f"{images_per_s:.0f}")
                 if self.step % t.log_every == 0 or last or self.skipped_steps > skipped:
                     self._write("metrics.jsonl", self.logger.log, self.step, {
                         "loss": loss, **self.last_aux, "images_per_s": images_per_s, "seconds": now - began,
@@ -126,7 +127,8 @@ class Loop:
             if self.acc.is_main_process:
                 ema = self.acc.unwrap_model(self.net) if sharded else self.ema.module
                 save_checkpoint(ckpt_root, self.step, self.acc.unwrap_model(self.net), ema,
-                                self.optimizer, self.cfg, keep=self.cfg.trainer.keep_checkpoints, gathered=gathered)
+                                self.optimizer, self.cfg, keep=self.cfg.trainer.keep_checkpoints, gathered=gathered,
+                                align=None if self.align is None else self.acc.unwrap_model(self.align).state_dict())
         except NonFiniteWeights as err:
             good = self._good_checkpoint()
             self._release_run_dir()

@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 from routing import ConfigError
 from train.checkpoint import latest_checkpoint, load_checkpoint, load_trained_state
 from train.distributed import optimizer_from_names, shard_optimizer_state
+from train.metrics.alignment import align_name
 from train.trainer.changes import Changes, classify, refusal
 
 
@@ -32,6 +33,7 @@ class Resume:
                               f"(e.g. resume={ckpt_root / 'step_0000100'}).")
         state = load_checkpoint(path, self.cfg)
         changes = self._refuse_changes(path, state["config"])  # before any weight is loaded
+        self._check_align_state(path, state)
         try:
             load_trained_state(self.acc.unwrap_model(self.net), state, "model", self.cfg)
             with self._ema_net() as ema:
@@ -39,6 +41,8 @@ class Resume:
         except RuntimeError as err:
             detail = " ".join(str(err).split())[:400]  # the state-dict keys that did not fit, on one line
             raise ConfigError(f"checkpoint '{path}' does not fit this model ({detail}); resume with the config it was trained with.") from err
+        if self.align is not None:
+            self.acc.unwrap_model(self.align).load_state_dict(state["align"])  # the projector (align=repa|self)
         try:
             self._load_optimizer(state)
         except (KeyError, ValueError, TypeError) as err:
@@ -59,6 +63,14 @@ class Resume:
         if self.acc.is_fsdp2:
             saved = shard_optimizer_state(saved, [p for _, p in trained])
         self.optimizer.load_state_dict(saved)
+
+    def _check_align_state(self, path: Path, state: dict) -> None:
+        """A projector saved exactly when this run aligns (AdamW's state holds its moments at fixed positions)."""
+        saved, mine = "align" in state, self.align is not None
+        if saved != mine:
+            was = align_name(state["config"]) if saved else "none"
+            raise ConfigError(f"checkpoint '{path}' was trained with align={was}{'' if saved else ' (no projector saved)'}, but this run "
+                              f"has align={align_name(self.cfg)}; resume with align={was} or start a new run_dir.")
 
     def _refuse_changes(self, path: Path, saved_cfg: DictConfig) -> Changes:
         """Every setting that differs from the checkpoint's, classified (changes.py); refused ones stop the run here, in

@@ -28,6 +28,7 @@ from train.data.validation_prompts import check_validation_prompts, encode_valid
 from train.distributed import ShardedEma, shard_blocks
 from train.files import read_metrics
 from train.logger import MetricsLogger
+from train.metrics.alignment import align_name, build_alignment
 from train.rundir import HydraRecord, move_aside, refuse_used
 from train.schema import check_config as schema_check
 from train.schema.sample import preview_every
@@ -110,6 +111,12 @@ class SetUp:
         here = preview_every(cfg) and (self.acc.is_main_process or self.acc.is_fsdp2)
         self.validation = encode_validation(cfg, net.model, self.acc.device, self.acc.print) if here else None
         self.backbone = net.model
+        # Representation alignment (align=repa|self; None for none): hooks on the blocks now, before the EMA copy and any
+        # compiling; the projector trains beside the model but is never part of it (docs/alignment.md).
+        if align_name(cfg) != "none" and self.acc.is_fsdp2:
+            raise ConfigError(f"align={align_name(cfg)} is not wired under trainer.distributed=fsdp yet (the projector would not be "
+                              "sharded with the model); train it under DDP (drop trainer.distributed=fsdp) or set align=none.")
+        self.align = build_alignment(cfg, self.backbone, self.acc.device)
         self.micro_batch = t.batch_size // (self.acc.num_processes * t.grad_accum)
         self.objective = objective_for(cfg)
         # Fine-tuning may shift the training draws towards noise (SD3's fixed shift, Flux's per resolution); None: unshifted.
@@ -118,13 +125,15 @@ class SetUp:
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # fp32 matmuls on tensor cores
         # Fused AdamW: one launch for every parameter, and `found_inf`, which lets the divergence guard skip a step
         # on the device (guard.py). Only trained parameters (all from scratch; the LoRA when fine-tuning) get state.
-        trained = [p for p in net.parameters() if p.requires_grad]
+        trained = [p for p in net.parameters() if p.requires_grad] + (list(self.align.parameters()) if self.align else [])
         optimizer = torch.optim.AdamW(trained, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, fused=True)
         sharded = self.acc.is_fsdp2
         self.ema = None if sharded else build_ema(cfg, net, self.acc.device)
         if sharded:
             shard_blocks(self.acc, [type(block).__name__ for block in routed_blocks(net)])  # one FSDP unit per block
         self.net, self.optimizer = self.acc.prepare(net, optimizer)
+        if self.align is not None:
+            self.align = self.acc.prepare(self.align)  # DDP all-reduces the projector's gradients
         if sharded:
             self.ema = ShardedEma(self.net, t.ema_decay, t.ema_warmup)  # sharded as the model is
         # After the EMA copy (a deep copy of a compiled block would call the original's compiled code). `forward` is what

@@ -47,6 +47,8 @@ class Step:
             t_all = shift_time(t_all, self.train_shift(shape))
         router = self.backbone.router
         routes = seeded(cfg.seed, self.step, ROUTES, device=acc.device)  # (seed, step) only: set_draws picks the rows
+        u_all = self._align_draws() if self.align is not None else None  # the EMA teacher's noise gaps, a stream of their own
+        modules = (self.net,) if self.align is None else (self.net, self.align)  # the projector trains beside the model
         losses, aux_sums = [], {}
         bad = torch.zeros((), dtype=torch.bool, device=acc.device)  # the divergence guard's flag
         for micro in range(cfg.trainer.grad_accum):
@@ -59,7 +61,7 @@ class Step:
                 router.set_draws(routes, start, G)  # a sample's route depends on (seed, step, its index) only
             else:
                 router.generator = seeded(cfg.seed, self.step, ROUTES, start, device=acc.device)
-            with acc.accumulate(self.net):
+            with acc.accumulate(*modules):
                 with acc.autocast():
                     per_elem = self.objective.loss(self.forward, y, labels, t_all[part], noise_all[part])
                     masks = self.backbone.route_masks() if cfg.edm.loss == "route_aware" else None
@@ -67,11 +69,18 @@ class Step:
                     # Auxiliary losses of MoE blocks (load balance, capacity predictor); none for other families.
                     aux = auxiliary_losses(self.net)
                     loss = diffusion + sum(aux.values()) if aux else diffusion
+                    if self.align is not None:
+                        # lambda x the alignment loss of the forward just run (its hooks hold the aligned block's state)
+                        aligned = self.align(y, labels, t_all[part], noise_all[part], objective=self.objective,
+                                             ema=getattr(self.ema, "module", None), u=u_all[part])
+                        loss = loss + aligned
+                        aux = {**aux, "align": aligned}  # logged beside the MoE losses
                 acc.backward(loss)
                 bad = bad | ~torch.isfinite(loss.detach())
                 if acc.sync_gradients:
                     # Clipping measures the gradient norm anyway; the guard reuses it instead of a second pass.
-                    norm = acc.clip_grad_norm_(self.net.parameters(), cfg.trainer.grad_clip) if cfg.trainer.grad_clip else None
+                    params = self.net.parameters() if self.align is None else [p for m in modules for p in m.parameters()]
+                    norm = acc.clip_grad_norm_(params, cfg.trainer.grad_clip) if cfg.trainer.grad_clip else None
                     bad = self._finite_update(bad, norm)
                 self.optimizer.zero_grad(set_to_none=True)
             losses.append(diffusion.detach())
