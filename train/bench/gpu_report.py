@@ -144,11 +144,12 @@ TABLES = {
                                f"{r['achieved_gbps']:.0f} | {_f(r['peak_fraction'], '.0%')} | {_f(r['roofline_ms'], '.3f')} | "
                                f"{_goal(r)} |"),
     "official": ("| model | route | batch | compile | official ms unrouted | ours ms unrouted | official ms routed | ours ms routed | "
-                 "ours / official routed | MFU ours routed | compile s (graphs) | official first steps s |",
+                 "ours / official routed | MFU ours routed | compile s (graphs) | official first steps s | official copy (sha256) |",
                  lambda r: f"| DiT-{r['preset']}/2 ({r['tokens']} tokens) | {r['route']} | {r['batch']} | {r['compile']}"
                            f"{' +graphs' if r['cuda_graphs'] else ''} | {r['ms_official_unrouted']:.1f} | {r['ms_ours_unrouted']:.1f} | "
                            f"{r['ms_official_routed']:.1f} | {r['ms_ours_routed']:.1f} | {r['ratio_routed']:.2f}x | "
-                           f"{_f(r['mfu_routed'], '.1%')} | {_f(r['compile_s'], '.0f')} ({_f(r['graphs'], 'd')}) | {r['official_first_s']:.0f} |"),
+                           f"{_f(r['mfu_routed'], '.1%')} | {_f(r['compile_s'], '.0f')} ({_f(r['graphs'], 'd')}) | {r['official_first_s']:.1f} | "
+                           f"{r.get('official_sha256', '-')} |"),
     "trainer": ("| command | trainer images/s | bare step images/s | trainer / bare |",
                 lambda r: f"| `{r['command']}` | {r['trainer_images_per_s']:.0f} | {_f(r['bare_images_per_s'], '.0f')} | "
                           f"{_f(r['ratio'], '.2f')} |"),
