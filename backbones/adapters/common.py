@@ -209,6 +209,17 @@ class RoutedTransformer(nn.Module):
         self.router = router if router is not None else Router()
         self.steps: list[Step] = self.build_steps()
         self.last_grid: Grid | None = None  # the token grid of the last forward, for route_masks
+        self.held_keep: torch.Tensor | None = None  # force-keep mask of the forwards inside `keeping`
+
+    @contextmanager
+    def keeping(self, force_keep: torch.Tensor | None) -> Iterator[RoutedTransformer]:
+        """Force-keep `force_keep` ((B, N) per token, or per latent pixel) in every forward within, for callers whose call
+        shape net(x, t, labels) carries no mask: the trainer's per-batch masks from the data (name.mask.png)."""
+        saved, self.held_keep = self.held_keep, force_keep
+        try:
+            yield self
+        finally:
+            self.held_keep = saved
 
     @property
     def depth(self) -> int:
@@ -252,7 +263,7 @@ class RoutedTransformer(nn.Module):
     def forward(self, x: torch.Tensor, t: torch.Tensor, cond=None, *, force_keep: torch.Tensor | None = None, **kwargs):
         """x (B, C, H, W), t (B,) or () in [0, 1]; cond: a dict of the family's inputs (or DiT's labels)."""
         cond, mask = self.conditioning(cond, kwargs)
-        mask = force_keep if force_keep is not None else mask
+        mask = force_keep if force_keep is not None else mask if mask is not None else self.held_keep
         t = t.reshape(-1).expand(x.shape[0])  # () or (B,) -> (B,)
         tokens, stream, grid = self.embed(x, t, cond)
         self.last_grid = grid

@@ -9,7 +9,11 @@ repeats on the same device type.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
+
+from train.data.masks import mask_inputs
 
 # The streams of one step's generators (the third key of `seeded`).
 NOISE, ORDER, AUGMENT, ROUTES, ALIGN = 0, 1, 2, 3, 4  # ALIGN: the self-alignment teacher's noise gap (align=self)
@@ -61,6 +65,23 @@ class Batches:
         b, procs, rank = self.micro_batch, self.acc.num_processes, self.acc.process_index
         following = (self.step + 1, rank * b) if last else (self.step, ((micro + 1) * procs + rank) * b)
         return self.prefetcher.get((self.step, start), following)
+
+    def _batch_masks(self, start: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The micro-batch at `start`'s masks from the data (name.mask.png, train/data/masks.py): (force_keep (b, N) bool,
+        loss weight (b, 1, *latent)), each None without masks (or without data.mask_loss_weight for the weight)."""
+        if not hasattr(self.dataset, "masks"):
+            return None, None
+        indices = self._global_indices(self.step)[start : start + self.micro_batch]
+        keep, weight = mask_inputs(self.dataset, indices, self.backbone.patch, self.cfg.data.get("mask_loss_weight"))
+        device = self.acc.device
+        return (None if keep is None else keep.to(device, non_blocking=True)), (None if weight is None else weight.to(device, non_blocking=True))
+
+    def _force_kept(self, keep: torch.Tensor | None):
+        """Within: every route of the network's forwards processes the tokens `keep` marks (the adapter holds the mask,
+        since net(x, t, labels) carries none)."""
+        if keep is None:
+            return nullcontext()
+        return getattr(self.backbone, "adapter", self.backbone).keeping(keep)
 
     def _step_draws(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The global batch's noise levels (EDM: sigma; flow: t), noise and label drops of this step, drawn on the

@@ -57,13 +57,16 @@ class Step:
             y, labels = self._batch(micro, start)
             y, labels = y.to(acc.device, non_blocking=True), labels.to(acc.device, non_blocking=True)
             labels = torch.where(drop_all[part], self.dataset.num_classes, labels)  # null class for CFG
+            keep, weight = self._batch_masks(start)  # masks from the data: force-kept tokens and the loss weight
             if hasattr(router, "set_draws"):
                 router.set_draws(routes, start, G)  # a sample's route depends on (seed, step, its index) only
             else:
                 router.generator = seeded(cfg.seed, self.step, ROUTES, start, device=acc.device)
-            with acc.accumulate(*modules):
+            with acc.accumulate(*modules), self._force_kept(keep):
                 with acc.autocast():
                     per_elem = self.objective.loss(self.forward, y, labels, t_all[part], noise_all[part])
+                    if weight is not None:
+                        per_elem = per_elem * weight  # (b, C, *latent) x (b, 1, *latent): data.mask_loss_weight
                     masks = self.backbone.route_masks() if cfg.edm.loss == "route_aware" else None
                     diffusion = reduce_loss(per_elem, masks)
                     # Auxiliary losses of MoE blocks (load balance, capacity predictor); none for other families.
