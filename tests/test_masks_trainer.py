@@ -1,8 +1,10 @@
-"""Force-keep masks from the data in the trainer (train/data/masks.py, docs/finetuning.md "Masks"): a tiny Flux
-captions fine-tune with `name.mask.png` beside images keeps every masked token on every route, step after step, and
+"""Force-keep masks from the data in the trainer (train/data/masks.py, docs/finetuning.md "Masks"): tiny Flux (captions)
+and Wan (videos) fine-tunes with `name.mask.png` beside their samples keep every masked token on every route, step after step, and
 data.mask_loss_weight weighs the per-element loss as computed by hand."""
 
 from __future__ import annotations
+
+import shutil
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from edm import reduce_loss
 from train.trainer import Trainer
 from conftest import compose_cfg
 from test_captions import overrides, pipeline, write_images  # noqa: F401  (pipeline: the tiny Flux fixture)
+from test_videos import tiny, wan  # noqa: F401  (tiny: the tiny Wan pipeline and clips)
 
 MASKED = {"square/a.png": (4, 4, 20, 12), "wide/d.png": (0, 0, 16, 10), "wide/e.png": (30, 18, 48, 32)}  # (l, t, r, b)
 
@@ -94,3 +97,25 @@ def test_mask_loss_weight_weighs_the_loss_as_computed_by_hand(pipeline, tmp_path
     assert torch.equal(seen["plain"], seen["weighted"])  # the weight acts after the forward only
     assert weighted == pytest.approx(float(expected), rel=1e-6) and weighted != pytest.approx(plain, rel=1e-3)
     assert np.isfinite(plain)
+
+
+def test_video_masks_are_kept_on_every_route_of_a_wan_step(tiny, tmp_path):  # noqa: F811
+    """data=videos: a clip's mask (every frame) and a frame's mask reach a tiny Wan fine-tune's routes as force-kept
+    tokens over (T', h, w), in raster order."""
+    folder = tmp_path / "clips"
+    shutil.copytree(tiny["clips"], folder, ignore=shutil.ignore_patterns(".tread_cache"))
+    corner = Image.new("L", (32, 32), 0)
+    corner.paste(255, (0, 0, 8, 8))
+    for clip in sorted(folder.glob("clip_*.gif")):
+        corner.save(clip.with_name(clip.stem + ".mask.png"))
+    trainer = Trainer(compose_cfg(*wan(tiny, f"data.path={folder}", f"run_dir={tmp_path / 'run'}", "trainer.max_steps=2")))
+    forced = 0
+    for _ in range(2):
+        keep = step_keep(trainer)
+        trainer.train_step()
+        masks = trainer.backbone.router.last_masks
+        assert masks and all(m.shape == keep.shape and m.float().mean() < 1 for m in masks)
+        assert all((m | ~keep).all() for m in masks)
+        forced += int(keep.sum())
+    trainer._release_run_dir()
+    assert forced > 0
