@@ -38,7 +38,7 @@ def nearest_bucket(size: Size, buckets: list[Size]) -> int:
     return min(range(len(buckets)), key=lambda b: abs(math.log(buckets[b][0] / buckets[b][1]) - ratio))
 
 
-def fit_to_bucket(image: Image.Image, size: Size) -> Image.Image:
+def fit_to_bucket(image: Image.Image, size: Size, resample=Image.Resampling.BICUBIC) -> Image.Image:
     """Resize to cover `size` (aspect kept), then crop the centre: the whole bucket is image, none is padding."""
     width, height = size
     # Box-halve while twice too big, so the final bicubic step does not alias (as the ADM centre crop does).
@@ -46,9 +46,18 @@ def fit_to_bucket(image: Image.Image, size: Size) -> Image.Image:
         image = image.resize((image.width // 2, image.height // 2), resample=Image.Resampling.BOX)
     scale = max(width / image.width, height / image.height)
     image = image.resize((max(width, round(image.width * scale)), max(height, round(image.height * scale))),
-                         resample=Image.Resampling.BICUBIC)
+                         resample=resample)
     left, top = (image.width - width) // 2, (image.height - height) // 2
     return image.crop((left, top, left + width, top + height))
+
+
+def fit_frame(image: Image.Image, size: Size, resample=Image.Resampling.BICUBIC) -> Image.Image:
+    """Centre-crop to the aspect of `size`, then resize to it: a video frame's fit (one crop for every frame)."""
+    (width, height), (w, h) = size, image.size
+    scale = max(width / w, height / h)
+    crop_w, crop_h = round(width / scale), round(height / scale)
+    left, top = (w - crop_w) // 2, (h - crop_h) // 2
+    return image.crop((left, top, left + crop_w, top + crop_h)).resize((width, height), resample)
 
 
 def _generator(*keys: int) -> torch.Generator:

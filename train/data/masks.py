@@ -12,7 +12,7 @@ What a mask does:
   outside + (inside - outside) x the fraction of it the mask covers (`loss_weight`); [1, 0] is SimpleTuner's masked
   loss. A sample without a mask weighs 1 everywhere, so mixing masked and unmasked samples is allowed.
 
-The geometry is the image's own: the crop and resize of buckets.fit_to_bucket (captions) or videos.fit_frame (clips),
+The geometry is the image's own: the crop and resize of buckets.fit_to_bucket (captions) or buckets.fit_frame (clips),
 with area (box) resampling so that coverage is a fraction in [0, 1] and an unmasked pixel stays exactly 0.
 """
 
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from routing.errors import ConfigError
+from train.data.buckets import fit_frame, fit_to_bucket
 
 SUFFIX = ".mask.png"
 MODES = ("1", "L")  # 1-bit or 8-bit grey: a single channel with no palette to misread
@@ -93,22 +94,9 @@ def fit_coverage(mask: Image.Image, size: tuple[int, int], crop: str = "bucket")
     """(height, width) float32 in [0, 1]: the fraction of each pixel of the fitted sample that the mask covers.
 
     The image's own geometry with area resampling: `bucket` as buckets.fit_to_bucket (box-halving, cover, centre
-    crop), `frame` as videos.fit_frame (centre crop to the aspect, then resize)."""
-    width, height = size
-    if crop == "frame":
-        w, h = mask.size
-        scale = max(width / w, height / h)
-        crop_w, crop_h = round(width / scale), round(height / scale)
-        left, top = (w - crop_w) // 2, (h - crop_h) // 2
-        mask = mask.crop((left, top, left + crop_w, top + crop_h)).resize((width, height), Image.Resampling.BOX)
-    else:
-        while mask.width >= 2 * width and mask.height >= 2 * height:
-            mask = mask.resize((mask.width // 2, mask.height // 2), resample=Image.Resampling.BOX)
-        scale = max(width / mask.width, height / mask.height)
-        mask = mask.resize((max(width, round(mask.width * scale)), max(height, round(mask.height * scale))),
-                           resample=Image.Resampling.BOX)
-        left, top = (mask.width - width) // 2, (mask.height - height) // 2
-        mask = mask.crop((left, top, left + width, top + height))
+    crop), `frame` as buckets.fit_frame (centre crop to the aspect, then resize)."""
+    fit = fit_frame if crop == "frame" else fit_to_bucket
+    mask = fit(mask, size, resample=Image.Resampling.BOX)
     return np.asarray(mask, dtype=np.float32) / 255.0
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from PIL import Image, ImageSequence
 
 from routing.errors import ConfigError
+from train.data.buckets import fit_frame
 from train.data.caption_cache import PIXELS, vae_folder
 from train.data.captions import UNREADABLE
 from train.data.captions import read_caption as read_sidecar
@@ -132,18 +133,9 @@ def read_frames(clip: Path, count: int, stride: int = 1) -> list[Image.Image]:
     return frames
 
 
-def fit_frame(image: Image.Image, width: int, height: int) -> Image.Image:
-    """Centre-crop to width:height, then resize to width x height."""
-    w, h = image.size
-    scale = max(width / w, height / h)
-    crop_w, crop_h = round(width / scale), round(height / scale)
-    left, top = (w - crop_w) // 2, (h - crop_h) // 2
-    return image.crop((left, top, left + crop_w, top + crop_h)).resize((width, height), Image.BICUBIC)
-
-
 def clip_array(clip: Path, frames: int, stride: int, width: int, height: int) -> np.ndarray:
     """(3, frames, height, width) float32 in [-1, 1]: the sample a clip gives."""
-    images = [np.asarray(fit_frame(f, width, height), dtype=np.float32) for f in read_frames(clip, frames, stride)]
+    images = [np.asarray(fit_frame(f, (width, height)), dtype=np.float32) for f in read_frames(clip, frames, stride)]
     return (np.stack(images).transpose(3, 0, 1, 2) / 127.5 - 1).astype(np.float32)  # (T, H, W, 3) -> (3, T, H, W)
 
 
