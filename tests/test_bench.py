@@ -338,3 +338,74 @@ def test_recipe_table_names_the_winner_per_family_and_compares_recipes_with_welc
     seeded = recipes.markdown(rows)
     assert "| rwkv | held-out EMA loss, equal compute |  |  | 0.2105 (2) | 0.2081 (1) |  | structured | -0.0024 n/a (one seed) (vs rows) |" in "\n".join(seeded)
     assert "| rwkv-structured-s0 / s2 | 2047 | 0.2081 / n/a | 60.0 / 62.2 | 25.0% / 25.0% |  |  |  |" in seeded, seeded[-3:]
+
+
+def test_an_aligned_cell_is_named_costs_its_alignment_and_the_fashion_grid_keeps_its_committed_cells(tmp_path):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from train.bench.cells import grid_cells, grid_pairs, set_step_budget
+    from train.bench.cost import cost_phase
+    from train.bench.store import same_settings
+
+    width = 64  # projector width
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        bench = compose(config_name="bench", overrides=[
+            "bench=smoke", f"out_dir={tmp_path}", "grid.backbones=[dit]", "grid.routings=[none,random]", "grid.aligns=[none,self]",
+            "grid.aligned=[dit-none,dit-random]", f"+grid.align_overrides.self=['align.projector_width={width}']",
+            "timing.warmup=0", "timing.repeats=1"])
+        cells = grid_cells(bench)
+        fashion = compose(config_name="bench", overrides=["bench=fashion"])
+        fashion_cells = grid_cells(compose(config_name="bench", overrides=["bench=fashion", "grid.aligns=[none]"]))
+        cost = cost_phase(bench, cells, tmp_path, (1, 8, 8), 10)["cells"]  # composes each family's unaligned base: in Hydra
+    assert [c.key for c in cells] == ["dit-none", "dit-random", "dit-none-self", "dit-random-self"]
+    assert [c.cfg.align.name for c in cells] == ["none", "none", "self", "self"]
+    assert cells[3].name == "dit-random-self-s0" and cells[3].cfg.run_dir.endswith("runs/dit-random-self-s0")
+    assert cells[3].cfg.align.projector_width == width and cells[3].recipe == "random + self"
+
+    # The aligned cells are timed in their own unit, beside their family's unrouted unaligned cell; their FLOPs hold
+    # the projector's forward and backward on every token (dit-none: no route) AND the EMA teacher's forward.
+    assert set(json.loads((tmp_path / "cost-self.json").read_text())["cells"]) == {"dit-none", "dit-none-self", "dit-random-self"}
+    assert set(json.loads((tmp_path / "cost.json").read_text())["cells"]) == {"dit-none", "dit-random"}
+    aligned, plain = cost["dit-none-self"], cost["dit-none"]
+    tokens, hidden = bench.timing.batch * plain["tokens"], bench.sizes.dit.hidden_size
+    projector = 3 * 2 * tokens * (hidden * width + width * width + width * hidden)  # forward + input and weight grads
+    assert aligned["flops"] > plain["flops"] + projector
+    assert aligned["params"] == plain["params"] and aligned["align_params"] == hidden * width + width * width + width * hidden + 2 * width + hidden
+    assert aligned["base"]["flops"] == plain["flops"]  # the unit's own unaligned base, the same step
+    assert speedups(None, aligned)["ideal_speedup"] < 1 < speedups(None, cost["dit-random-self"])["ideal_speedup"] + 1
+    set_step_budget(cells[2], 100, speedups(None, aligned)["measured_speedup"])
+    assert 0 < cells[2].cfg.trainer.max_steps == round(100 * aligned["base"]["step_seconds"] / aligned["step_seconds"])
+
+    # configs/bench/fashion.yaml: the 21 pairs of the committed table (every committed file's key) plus 12 self cells,
+    # and every committed cell file still matches its cell's settings (so the bench reuses it instead of retraining).
+    committed = {p.name.rsplit("-s", 1)[0] for p in (CONFIGS.parent / "docs/bench/fashion/cells").glob("*.json")}
+    keys = ["-".join(p if p[2] != "none" else p[:2]) for p in grid_pairs(fashion)]
+    new = [f"{b}-{r}-self" for b, rs in (("dit", "none random sprint"), ("rwkv", "none rows sprint"),
+                                         ("mamba", "none rows sprint"), ("diffmoe", "none random sprint")) for r in rs.split()]
+    assert len(committed) == 21 and sorted(keys) == sorted([*committed, *new])
+    saved_cost = json.loads((CONFIGS.parent / "docs/bench/fashion/cost.json").read_text())
+    results = CONFIGS.parent / "docs/bench/fashion"
+    costs = cost_phase(fashion, [c for c in fashion_cells if c.seed == 0], results, tuple(saved_cost["settings"]["shape"]), 10)["cells"]
+    assert len(fashion_cells) == 63
+    for cell in fashion_cells:
+        set_step_budget(cell, fashion.train.steps[cell.backbone], speedups(costs[f"{cell.backbone}-none"], costs[cell.key])["measured_speedup"])
+        saved = json.loads((results / "cells" / f"{cell.name}.json").read_text())["settings"]["train"]
+        current, plain = json.loads(json.dumps([OmegaConf.to_container(cell.cfg, resolve=True), cell.plain]))
+        assert same_settings(saved, current, plain), cell.name
+
+
+def test_alignment_table_says_per_family_whether_alignment_adds_to_each_recipe():
+    from train.bench import recipes
+
+    def row(routing, fd, align="none"):
+        return {"backbone": "dit", "routing": routing, "align": align, "kind": "routed" if routing != "none" else "baseline",
+                "classifier_fd_seeds": fd}
+
+    rows = [row("none", [40.0, 41.0, 42.0]), row("random", [38.0, 39.0, 40.0]),
+            row("none", [30.0, 31.0, 32.0], "self"), row("random", [37.0, 40.0, 43.0], "self")]
+    lines = recipes.markdown(rows)
+    text = "\n".join(lines)
+    assert "| dit | none + self - none | -10.0 [-12.3, -7.7] wins |" in text
+    assert "| dit | random + self - random | +1.0 [" in text and "] ties |" in text.split("random + self - random")[1].splitlines()[0]
+    assert not recipes.markdown(rows[:2])  # without aligned rows (and without structured or SPRINT) no recipe tables

@@ -1,4 +1,4 @@
-"""The grid of the cross-backbone table: one cell per (backbone, routing, seed), each a real training config."""
+"""The grid of the cross-backbone table: one cell per (backbone, routing, alignment, seed), each a real training config."""
 
 from __future__ import annotations
 
@@ -24,14 +24,29 @@ class Cell:
     cfg: DictConfig
     ablation: bool  # an unstructured subset on a scan-order backbone (TREAD's 1-D ablation)
     plain: dict = field(default_factory=dict)  # the config `backbone=<family> routing=<r> data=<dataset>` composes to: the defaults of keys added later
+    align: str = "none"  # representation alignment (align=none|repa|self, docs/alignment.md)
 
     @property
     def key(self) -> str:
-        return f"{self.backbone}-{self.routing}"
+        return cell_key(self.backbone, self.routing, self.align)
+
+    @property
+    def recipe(self) -> str:
+        """The routing, with the alignment beside it when there is one ("random + self"): the tables' and plots' label."""
+        return recipe_label(self.routing, self.align)
 
     @property
     def name(self) -> str:
         return f"{self.key}-s{self.seed}"
+
+
+def cell_key(backbone: str, routing: str, align: str = "none") -> str:
+    """`dit-random`, or `dit-random-self` with alignment: align=none keeps the keys (and committed files) from before."""
+    return f"{backbone}-{routing}" if align == "none" else f"{backbone}-{routing}-{align}"
+
+
+def recipe_label(routing: str, align: str = "none") -> str:
+    return routing if align == "none" else f"{routing} + {align}"
 
 
 def is_ablation(cfg: DictConfig) -> bool:
@@ -42,27 +57,31 @@ def is_ablation(cfg: DictConfig) -> bool:
     return family_module(cfg.backbone.name).Block.needs_grid and not policy.yields_grid
 
 
-def compose_pair(bench: DictConfig, backbone: str, routing: str) -> tuple[DictConfig, bool, dict]:
+def compose_pair(bench: DictConfig, backbone: str, routing: str, align: str = "none") -> tuple[DictConfig, bool, dict]:
     """The real training config (configs/config.yaml) of one grid pair with the bench's sizes, whether the pair is an
     ablation, and the pair's config without the bench's overrides (the defaults its cost is compared with).
 
     `backbone` is a row name of the grid: a family (dit, rwkv, ...) or a variant whose `sizes.<name>` names its
     family, e.g. `tc: {family: diffmoe, kwargs: {moe_mode: token_choice}}` (the MoE table's baselines).
+    `align` other than none adds `align=<align>` and the bench's `grid.align_overrides.<align>` (e.g. a projector
+    width for the bench's small models); align=none composes exactly what it did before alignment existed.
     """
     size = OmegaConf.to_container(bench.sizes.get(backbone) or OmegaConf.create({}))
     family = size.pop("family", backbone)
-    groups = [f"backbone={family}", f"routing={routing}", f"data={bench.dataset}"]
+    groups = [f"backbone={family}", f"routing={routing}", f"data={bench.dataset}"] + ([f"align={align}"] if align != "none" else [])
+    extra = list((bench.grid.get("align_overrides") or {}).get(align) or []) if align != "none" else []
     try:
-        cfg = compose(config_name="config", overrides=[*groups, *bench.overrides])
+        cfg = compose(config_name="config", overrides=[*groups, *bench.overrides, *extra])
         plain = OmegaConf.to_container(compose(config_name="config", overrides=groups), resolve=True)
     except (MissingConfigException, OverrideParseException, ConfigCompositionException) as err:
-        raise ConfigError(f"{str(err).splitlines()[0]} (check grid.backbones, grid.routings, dataset and overrides).") from err
+        raise ConfigError(f"{str(err).splitlines()[0]} (check grid.backbones, grid.routings, grid.aligns, dataset, overrides and grid.align_overrides).") from err
     with open_dict(cfg):
         cfg.backbone = OmegaConf.merge(cfg.backbone, size)
     return cfg, is_ablation(cfg), plain
 
 
-def compose_cell(bench: DictConfig, backbone: str, routing: str, seed: int, pair: tuple[DictConfig, bool, dict]) -> Cell:
+def compose_cell(bench: DictConfig, backbone: str, routing: str, seed: int, pair: tuple[DictConfig, bool, dict],
+                 align: str = "none") -> Cell:
     """One seed of a composed pair, with the bench's budget and run folder."""
     cfg, ablation, plain = pair
     cfg = copy.deepcopy(cfg)  # the seeds of a pair share its composition; each gets its own config
@@ -70,7 +89,7 @@ def compose_cell(bench: DictConfig, backbone: str, routing: str, seed: int, pair
     with open_dict(cfg):
         cfg.merge_with({
             "seed": seed,
-            "run_dir": str(Path(bench.out_dir) / "runs" / f"{backbone}-{routing}-s{seed}"),
+            "run_dir": str(Path(bench.out_dir) / "runs" / f"{cell_key(backbone, routing, align)}-s{seed}"),
             "routing": {"allow_unstructured": bool(cfg.routing.allow_unstructured or ablation)},
             "trainer": {"max_minutes": t.minutes, "max_steps": t.max_steps, "batch_size": t.batch_size,
                         "log_every": t.log_every, "sample_every": 0, "cpu": bench.device == "cpu",
@@ -79,21 +98,36 @@ def compose_cell(bench: DictConfig, backbone: str, routing: str, seed: int, pair
                         "ckpt_every": bench.eval.get("every") or (10**9 if bench.eval.get("keep_final") else 0),
                         "keep_checkpoints": 10**9},
         })
-    return Cell(backbone, routing, seed, cfg, ablation, plain)
+    return Cell(backbone, routing, seed, cfg, ablation, plain, align)
+
+
+def grid_pairs(bench: DictConfig) -> list[tuple[str, str, str]]:
+    """(backbone, routing, align) of every pair of the grid: backbones x routings x `grid.aligns` (default [none]),
+    less `grid.skip`; an alignment other than none only on the pairs `grid.aligned` names (null: every pair)."""
+    skip, aligned = set(bench.grid.get("skip") or []), bench.grid.get("aligned")
+    aligns = list(bench.grid.get("aligns") or ["none"])
+    pairs = {f"{b}-{r}" for b in bench.grid.backbones for r in bench.grid.routings if f"{b}-{r}" not in skip}
+    stray = sorted(set(aligned or []) - pairs)
+    if stray:
+        raise ConfigError(f"grid.aligned names {stray[0]!r}, which is not a pair of this grid (grid.backbones x grid.routings "
+                          "less grid.skip); name <backbone>-<routing> pairs of the grid, or set grid.aligned=null for every pair.")
+    return [(b, r, a) for a in aligns for b in bench.grid.backbones for r in bench.grid.routings
+            if f"{b}-{r}" not in skip and (a == "none" or aligned is None or f"{b}-{r}" in aligned)]
 
 
 def grid_cells(bench: DictConfig) -> list[Cell]:
-    """Every (backbone, routing, seed) of the grid, seed-major so a partial run covers every pair evenly.
+    """Every (backbone, routing, align, seed) of the grid, seed-major so a partial run covers every pair evenly.
 
     `grid.skip` drops pairs ("rwkv-random"), e.g. the 1-D ablations when CPU time is short; the pairs in `grid.last`
-    come after every seed of the others, so a bench cut short has spread where it matters most.
+    come after every seed of the others, so a bench cut short has spread where it matters most. Within a seed the
+    aligned pairs follow the unaligned ones (a grid.last key names either, e.g. `dit-rows` or `dit-random-self`).
     """
-    skip, last = set(bench.grid.get("skip") or []), list(bench.grid.get("last") or [])
-    pairs = [(b, r) for b in bench.grid.backbones for r in bench.grid.routings if f"{b}-{r}" not in skip]
+    last = list(bench.grid.get("last") or [])
+    pairs = grid_pairs(bench)
     # Hydra composes each pair once (about a second of CPU each), not once per seed: 21 pairs x 3 seeds start in a third.
     composed = {pair: compose_pair(bench, *pair) for pair in pairs}
-    order = [p for p in pairs if f"{p[0]}-{p[1]}" not in last], [p for p in pairs if f"{p[0]}-{p[1]}" in last]
-    return [compose_cell(bench, b, r, s, composed[(b, r)]) for group in order for s in bench.seeds for b, r in group]
+    order = [p for p in pairs if cell_key(*p) not in last], [p for p in pairs if cell_key(*p) in last]
+    return [compose_cell(bench, b, r, s, composed[(b, r, a)], a) for group in order for s in bench.seeds for b, r, a in group]
 
 
 def set_step_budget(cell: Cell, steps: int | None, speedup: float | None) -> None:

@@ -1,6 +1,7 @@
 """Which recipe wins, per family: every recipe's scores side by side, the best against the runner-up, and the
 recipes against each other (TREAD with its usual selection, TREAD with structured selection, SPRINT), each with a
-95% Welch interval over the seeds. Reads the per-seed values `table_rows` stores with every row."""
+95% Welch interval over the seeds; and, once a grid has aligned rows (grid.aligns), whether alignment adds to each
+recipe. Reads the per-seed values `table_rows` stores with every row."""
 
 from __future__ import annotations
 
@@ -39,6 +40,29 @@ def _diff_text(a: list[float], b: list[float], lower: bool, fmt: str) -> str:
 
 
 def markdown(rows: list[dict]) -> list[str]:
+    return recipes([r for r in rows if r.get("align", "none") == "none"]) + alignment(rows)
+
+
+def alignment(rows: list[dict]) -> list[str]:
+    """Whether alignment adds to each recipe, per family: every aligned row minus the same backbone and recipe
+    unaligned (none: alignment alone; TREAD, SPRINT: alignment on top of routing), with a 95% Welch interval over the
+    seeds: wins when the interval excludes 0 in alignment's favour, loses the other way, else a tie within the seed
+    spread."""
+    aligned = [r for r in rows if r.get("align", "none") != "none"]
+    plain = {(r["backbone"], r["routing"]): r for r in rows if r.get("align", "none") == "none"}
+    compared = [(a, plain[(a["backbone"], a["routing"])]) for a in aligned if (a["backbone"], a["routing"]) in plain]
+    if not compared:
+        return []
+    lines = ["", "Does alignment add to routing, per family (aligned minus the same recipe unaligned, 95% Welch interval over "
+             "seeds; wins / loses when the interval excludes 0, else ties: no difference beyond the seed spread):", "",
+             "| family | comparison | " + " | ".join(label for _, label, _, _ in METRICS) + " |", "|---|---|" + "---|" * len(METRICS)]
+    for a, b in compared:
+        cells = [_diff_text(_values(a, key), _values(b, key), lower, fmt) for key, _, lower, fmt in METRICS]
+        lines.append(f"| {a['backbone']} | {a['routing']} + {a['align']} - {b['routing']} | {' | '.join(cells)} |")
+    return lines + per_seed(aligned)
+
+
+def recipes(rows: list[dict]) -> list[str]:
     families = list(dict.fromkeys(r["backbone"] for r in rows if r["routing"] in ROUTINGS))
     present = [name for name in ROUTINGS if any(r["routing"] == name for r in rows)]
     if not any(r["routing"] in ("structured", "sprint") for r in rows):
@@ -86,7 +110,8 @@ def per_seed(rows: list[dict]) -> list[str]:
              "unrouted step count):", "", "| cell | steps | EMA loss | classifier-FD | class acc. | @ step: EMA loss | FD | acc. |",
              "|---|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if r.get("cell_seeds")):
-        name = f"{r['backbone']}-{r['routing']}-" + " / ".join(f"s{s}" for s in r["cell_seeds"])
+        key = f"{r['backbone']}-{r['routing']}" + ("" if r.get("align", "none") == "none" else f"-{r['align']}")
+        name = f"{key}-" + " / ".join(f"s{s}" for s in r["cell_seeds"])
         cells = []
         for key, fmt in PER_SEED:
             values = [fmt.format(v) if v is not None else "n/a" for v in r.get(f"{key}_seeds") or []]

@@ -6,7 +6,7 @@ import csv
 from pathlib import Path
 
 from train.bench import recipes
-from train.bench.cells import Cell
+from train.bench.cells import Cell, cell_key, recipe_label
 from train.bench.cost import speedups
 from train.bench.quality import STALL
 from train.bench.stats import summary, verdict, welch_difference
@@ -43,7 +43,7 @@ def table_rows(pairs: list[Cell], costs: dict, runs: dict[str, list[dict]], base
         cost = costs[cell.key]
         quality = runs[cell.key]
         row = {
-            "backbone": cell.backbone, "routing": cell.routing,
+            "backbone": cell.backbone, "routing": cell.routing, "align": cell.align,
             "kind": "ablation" if cell.ablation else ("sprint" if any(r.get("mode") == "sprint" for r in cell.cfg.routing.routes)
                                                       else "routed" if cell.cfg.routing.routes else "baseline"),
             "params": cost["params"], "activated_params": cost.get("activated_params", cost["params"]), "tokens": cost["tokens"],
@@ -73,14 +73,14 @@ def table_rows(pairs: list[Cell], costs: dict, runs: dict[str, list[dict]], base
         baseline = (baselines or {}).get(cell.backbone)
         if baseline is not None:
             row["baseline"] = baseline
-            _compare(row, "_vs_base_", quality, runs.get(f"{baseline}-{cell.routing}"))
+            _compare(row, "_vs_base_", quality, runs.get(cell_key(baseline, cell.routing, cell.align)))
         row["noisy"] = any(q["stalled_seconds"] > NOISY * q["train_seconds"] for q in quality)
         rows.append(row)
     return rows
 
 
 COLUMNS = {  # key: (markdown header, format)
-    "backbone": ("backbone", "{}"), "routing": ("routing", "{}"), "kind": ("kind", "{}"),
+    "backbone": ("backbone", "{}"), "routing": ("routing", "{}"), "align": ("alignment", "{}"), "kind": ("kind", "{}"),
     "params": ("params", "{:,}"), "activated_params": ("activated params / token (8)", "{:,.0f}"),
     "gflops_per_step": ("GFLOPs / step (1)", "{:.2f}"),
     "ideal_speedup": ("FLOP-ideal speedup", "{:.2f}x"), "measured_speedup": ("measured speedup (2)", "{:.2f}x"),
@@ -113,7 +113,9 @@ def _cell_text(row: dict, key: str, stalled: str) -> str:
 def markdown(rows: list[dict], meta: dict) -> str:
     m = meta
     moe = any(r["activated_params"] != r["params"] for r in rows)
-    columns = [k for k in COLUMNS if (k not in OPTIONAL or any(k in r for r in rows)) and (k not in MOE or moe)]
+    aligned = any(r.get("align", "none") != "none" for r in rows)  # the alignment column only once a table has aligned rows
+    columns = [k for k in COLUMNS if (k not in OPTIONAL or any(k in r for r in rows)) and (k not in MOE or moe)
+               and (k != "align" or aligned)]
     lines = [f"| {' | '.join(COLUMNS[k][0] for k in columns)} |", "|" + "---|" * len(columns)]
     # A stall costs a wall-clock budget steps, and a step budget only time.
     stalled = "train_steps" if m["train"].get("wall_clock") else "images_per_s"
@@ -162,6 +164,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
                      "predictor included). In training: top_k experts per MoE layer (token choice) or C (expert choice, global "
                      "pool). While sampling: measured, the mean number of experts per token over every network evaluation of the "
                      "scored samples (DiffMoE's dynamic capacity from its learned thresholds).")
+    if aligned:
+        notes.append("(9) Aligned rows (alignment column): the training step includes the alignment, i.e. the EMA teacher's forward "
+                     "up to its block without gradient and the projector's forward and backward, in the FLOPs, the step time and so "
+                     "the equal-compute step budget; their speedups are against the same backbone unrouted and unaligned, timed in "
+                     "the same rounds (cost-<align>.json). params count the model only (the projector is dropped after training).")
     if any(r.get("seeds", 1) > 1 for r in rows):
         notes.append(f"With {max(r['seeds'] for r in rows)} seeds, a value reads mean ± the half-width of its 95% Student-t interval "
                      "(n - 1 degrees of freedom); table.csv and table.json hold the std too.")
@@ -173,8 +180,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 def comparison(rows: list[dict], prefix: str, title: str, baseline: bool = False) -> list[str]:
     """Differences stored under `prefix` (table_rows), with Welch 95% intervals and a verdict (lines of markdown)."""
-    compared = [r for r in rows if any(k.endswith(f"{prefix}verdict") and k.count("_vs_base_") == prefix.count("_vs_base_")
-                                       for k in r)]
+    compared = [r for r in rows if any(f"{k}{prefix}verdict" in r for k in COMPARED)]
     if not compared:
         return []
     keys = [k for k in COMPARED if any(f"{k}{prefix}verdict" in r for r in compared)]
@@ -192,7 +198,8 @@ def comparison(rows: list[dict], prefix: str, title: str, baseline: bool = False
             fmt = "{:+.2f}" if "fd" in k else ("{:+.1%}" if "accuracy" in k else "{:+.4f}")
             cells.append(f"{fmt.format(r[f'{k}{prefix}diff'])} [{fmt.format(r[f'{k}{prefix}diff_low'])}, "
                          f"{fmt.format(r[f'{k}{prefix}diff_high'])}] {r[f'{k}{prefix}verdict']}")
-        lines.append(f"| {r['backbone']} | {r['baseline'] + ' | ' if baseline else ''}{r['routing']} | " + " | ".join(cells) + " |")
+        recipe = recipe_label(r["routing"], r.get("align", "none"))
+        lines.append(f"| {r['backbone']} | {r['baseline'] + ' | ' if baseline else ''}{recipe} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -42,13 +42,13 @@ from tqdm.auto import tqdm
 
 from routing import ConfigError
 from train.bench.claims import claim
-from train.bench.cells import grid_cells, set_step_budget
-from train.bench.cost import measure_costs, speedups
+from train.bench.cells import grid_cells, recipe_label, set_step_budget
+from train.bench.cost import cost_phase, speedups
 from train.bench.plots import plot_bars, plot_loss_curves, plot_quality_curves
 from train.bench.quality import Evaluation, held_out_split, train_and_score, warm_up
 from train.bench.report import table_rows, write_tables
-from train.bench.store import check_saved, cost_cells, reuse_or_compute, saved_result, saved_subset
-from train.bench.timing import now, step_clock
+from train.bench.store import check_saved, cost_cells, reuse_or_compute, saved_result
+from train.bench.timing import now
 from train.build import objective_name
 from train.data import build_dataset
 from train.metrics.classifier import ClassifierConfig, cache_path, load_or_train
@@ -107,7 +107,8 @@ def refuse_missing_costs(bench: DictConfig, pairs: list) -> None:
     pair's unrouted cell, whose step time sets its equal-compute budget (without it the routed cell would silently
     train the unrouted step count). They come from this bench's own grid, or from `train.speedups_from`."""
     keys = {c.key for c in pairs}
-    baselines = {f"{c.backbone}-none" for c in pairs if c.routing != "none"} if bench.train.get("steps") is not None else set()
+    # An aligned cell's base is measured with it (cost.aligned_unit), so only the unaligned routed cells need theirs here.
+    baselines = {f"{c.backbone}-none" for c in pairs if c.routing != "none" and c.align == "none"} if bench.train.get("steps") is not None else set()
     source = speedups_source(bench)
     if source is not None:
         try:
@@ -191,18 +192,11 @@ def run(bench: DictConfig, record: HydraRecord | None = None) -> list[dict]:
     if record is not None:
         record.write(out, key="out_dir")
 
-    # Cost: one unit, because the steps of all cells are timed together.
-    cost_settings = {"cells": {c.key: OmegaConf.to_container(c.cfg.backbone) | {"routing": OmegaConf.to_container(c.cfg.routing)}
-                               for c in pairs},
-                     "shape": timing_shape, "num_classes": dataset.num_classes, "timing": OmegaConf.to_container(bench.timing),
-                     "device": bench.device, "threads": bench.threads, "clock": step_clock(bench.device, bench.threads)[1]}
-    cost_defaults = {"cells": {c.key: c.plain["backbone"] | {"routing": c.plain["routing"]} for c in pairs}}
-    cost = saved_subset(results / "cost.json", cost_settings, "cells", cost_defaults)
-    if cost is not None:
-        log.info(f"reused cost measurements from {results / 'cost.json'} ({len(pairs)} of its {len(cost['settings']['cells'])} cells)")
-    else:
-        cost = reuse_or_compute(results / "cost.json", cost_settings,
-                                lambda: measure_costs(pairs, bench, timing_shape, dataset.num_classes), "cost measurements", cost_defaults)
+    # Cost: one unit per alignment, because the steps of a unit's cells are timed together (train/bench/cost.py).
+    cost = cost_phase(bench, pairs, results, timing_shape, dataset.num_classes, measure_aligned=not measured_only)
+    unpriced = [c.key for c in pairs if c.key not in cost["cells"]]  # measured_only: aligned cells with no cost measured yet
+    if unpriced:
+        pairs, cells = [c for c in pairs if c.key in cost["cells"]], [c for c in cells if c.key in cost["cells"]]
     # Matched size means matched ACTIVATED parameters: an MoE model holds E experts but a token uses C of them.
     params = {key: c.get("activated_params", c["params"]) for key, c in cost["cells"].items()}
     log.info("activated parameters per token: " + ", ".join(f"{key} {n / 1e6:.3f}M" for key, n in params.items()))
@@ -230,7 +224,7 @@ def run(bench: DictConfig, record: HydraRecord | None = None) -> list[dict]:
     runs: dict[str, list[dict]] = {c.key: [] for c in pairs}
     warm = functools.cache(lambda: warm_up(pairs, dataset.shape, dataset.num_classes, bench))  # once, if any cell trains
     mine = [c for i, c in enumerate(cells) if shard is None or i % shard[1] == shard[0]]
-    missing, elsewhere = [], []
+    missing, elsewhere = [f"{key} (every seed; no cost measured yet)" for key in unpriced], []
     for cell in tqdm(mine, desc="quality: cells", dynamic_ncols=True):
         settings = {"train": OmegaConf.to_container(cell.cfg, resolve=True), **eval_settings}
         path, defaults = results / "cells" / f"{cell.name}.json", {"train": cell.plain}
@@ -271,7 +265,7 @@ def run(bench: DictConfig, record: HydraRecord | None = None) -> list[dict]:
                  (f" in {t.speedups_from})" if t.get("speedups_from") else ")")
     else:
         budget = f"{t.minutes:g} min" if t.minutes else f"{t.max_steps} steps"
-    loads = [cost["load_average"][0]] + [q["load_average"][0] for qs in runs.values() for q in qs]
+    loads = list(cost["load_average"]) + [q["load_average"][0] for qs in runs.values() for q in qs]
     meta = {
         "command": " ".join(["python -m train.bench", *sys.argv[1:]]), "date": now(),
         "machine": {"cpu": cpu_model() if bench.device == "cpu" else torch.cuda.get_device_name(), "cores": os.cpu_count(),
@@ -291,11 +285,11 @@ def run(bench: DictConfig, record: HydraRecord | None = None) -> list[dict]:
         "seconds_this_invocation": time.perf_counter() - began,
     }
     text = write_tables(rows, meta, out)
-    plot_loss_curves({(c.backbone, c.routing): [q["curve"] for q in runs[c.key]] for c in pairs}, out / "loss_vs_time.png", budget)
+    plot_loss_curves({(c.backbone, c.recipe): [q["curve"] for q in runs[c.key]] for c in pairs}, out / "loss_vs_time.png", budget)
     if any(q.get("quality_curve", {}).get("step") for qs in runs.values() for q in qs):
-        plot_quality_curves({(c.backbone, c.routing): [q.get("quality_curve") for q in runs[c.key]] for c in pairs},
+        plot_quality_curves({(c.backbone, c.recipe): [q.get("quality_curve") for q in runs[c.key]] for c in pairs},
                             out / "quality_vs_steps.png")
-    plot_bars(rows, out / "bars.png", {"efficiency": "efficiency (measured / FLOP-ideal)", "ema_loss": "EMA loss (lower is better)",
+    plot_bars([r | {"routing": recipe_label(r["routing"], r.get("align", "none"))} for r in rows], out / "bars.png", {"efficiency": "efficiency (measured / FLOP-ideal)", "ema_loss": "EMA loss (lower is better)",
                                        "classifier_fd": "classifier-FD (lower is better)", "class_accuracy": "class accuracy",
                                        **({"at_step_classifier_fd": "classifier-FD at the matched step"}
                                           if any("at_step_classifier_fd" in r for r in rows) else {})})

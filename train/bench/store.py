@@ -20,21 +20,28 @@ def write_json_atomic(path: Path, obj: dict) -> None:
     os.replace(tmp, path)  # a killed run leaves the old file or the new one, never half of one
 
 
-def same_settings(saved, current, defaults=None) -> bool:
+# Values whose spelling changed after results were measured, by key: the old spelling means the new one (the trainer
+# reads both alike, train.compiling.compile_mode), so committed results measured before the change stay reusable.
+RESPELLED = {"compile": {False: "off", True: "blocks"}}
+
+
+def same_settings(saved, current, defaults=None, key: str | None = None) -> bool:
     """True when a result measured under `saved` settings holds for the `current` ones.
 
     Keys the project gained after the result was measured are missing from `saved`. Such a key matches when its
     current value is the one the plain config gives it (`defaults`, the same nesting as `current`): a new key's
     default keeps what ran before, which is the project's rule for every new key, so committed results stay
-    reusable as the code grows. Any other difference, a removed key included, does not match.
+    reusable as the code grows; so does a value in its old spelling (RESPELLED). Any other difference, a removed key
+    included, does not match.
     """
     if isinstance(saved, dict) and isinstance(current, dict):
         defaults = defaults if isinstance(defaults, dict) else {}
         if set(saved) - set(current):
             return False
-        return all(same_settings(saved[k], v, defaults.get(k)) if k in saved else (k in defaults and defaults[k] == v)
+        return all(same_settings(saved[k], v, defaults.get(k), k) if k in saved else (k in defaults and defaults[k] == v)
                    for k, v in current.items())
-    return saved == current
+    respelled = RESPELLED.get(key, {})
+    return saved == current or (isinstance(saved, bool) and saved in respelled and respelled[saved] == current)
 
 
 def _read(path: Path, key: str | None = None) -> dict | None:

@@ -16,19 +16,23 @@ from edm import EDM, Objective
 
 
 def training_step(net, batch: int, shape, num_classes: int, device, seed: int = 0, lr: float = 1e-4,
-                  objective: Objective | None = None) -> Callable[[], None]:
+                  objective: Objective | None = None, align=None, ema=None) -> Callable[[], None]:
     """A closure running one training step (forward, backward, AdamW) of `objective` (default EDM with
-    `net.sigma_data`) on fixed random data; `net` is that objective's wrapped network."""
+    `net.sigma_data`) on fixed random data; `net` is that objective's wrapped network. `align` (an Alignment, as
+    the trainer calls it) adds its loss, its teacher forward (`ema`, the EMA's wrapped network) and its projector."""
     objective = objective if objective is not None else EDM(sigma_data=net.sigma_data)
     g = torch.Generator().manual_seed(seed)
     y = torch.randn(batch, *shape, generator=g).to(device)
     labels = torch.randint(0, max(num_classes, 1), (batch,), generator=g).to(device)
     t = objective.sample_time(batch, g).to(device)  # EDM: sigma; flow: t
     noise = torch.randn(batch, *shape, generator=g).to(device)
-    optimizer = torch.optim.AdamW(net.parameters(), lr=lr, fused=torch.device(device).type == "cuda")  # as the trainer
+    u = torch.rand(batch, generator=g).to(device) if align is not None else None  # drawn last: the other draws stay as they were
+    params = list(net.parameters()) + (list(align.parameters()) if align is not None else [])
+    optimizer = torch.optim.AdamW(params, lr=lr, fused=torch.device(device).type == "cuda")  # as the trainer
 
     def loss() -> torch.Tensor:
-        return objective.loss(net, y, labels, t, noise).mean()
+        out = objective.loss(net, y, labels, t, noise).mean()
+        return out if align is None else out + align(y, labels, t, noise, objective=objective, ema=ema, u=u)
 
     def step() -> None:
         loss().backward()
