@@ -358,6 +358,9 @@ def test_an_aligned_cell_is_named_costs_its_alignment_and_the_fashion_grid_keeps
         fashion = compose(config_name="bench", overrides=["bench=fashion"])
         fashion_cells = grid_cells(compose(config_name="bench", overrides=["bench=fashion", "grid.aligns=[none]"]))
         cost = cost_phase(bench, cells, tmp_path, (1, 8, 8), 10)["cells"]  # composes each family's unaligned base: in Hydra
+        # measured_only: an alignment whose cost file does not exist yet is left out, not measured.
+        unpriced = cost_phase(bench, cells, tmp_path / "fresh", (1, 8, 8), 10, measure_aligned=False)["cells"]
+    assert set(unpriced) == {"dit-none", "dit-random"} and not (tmp_path / "fresh" / "cost-self.json").exists()
     assert [c.key for c in cells] == ["dit-none", "dit-random", "dit-none-self", "dit-random-self"]
     assert [c.cfg.align.name for c in cells] == ["none", "none", "self", "self"]
     assert cells[3].name == "dit-random-self-s0" and cells[3].cfg.run_dir.endswith("runs/dit-random-self-s0")
