@@ -41,7 +41,9 @@ tuned config), walks them BLOCK_D at a time and adds each block's sums into its 
 (L2-resident); torch sums the b * d / CPP partials. CPP is the largest of 8..64 that still gives >= 512
 programs, so the partials stay at about 1/8 of the (b, d, l) traffic.
 
-Autotune: both kernels choose BLOCK_D and num_warps on first use per (d, l, n, flags, dtypes); CHUNK and
+Autotune: forward chooses BLOCK_D and num_warps on first use per (d, l, n, flags, dtypes); backward has
+one config, BLOCK_D 2 at 8 warps, the only one that compiles for sm_90 without register spills at CHUNK 256
+(`python -m train.bench.kernel_compile` prints registers and spills of every config). CHUNK and
 CPP are fixed by the shape, so the states forward stores and the partials backward writes never depend
 on the tuned config. Under TRITON_INTERPRET=1 each kernel has one small config.
 
@@ -61,8 +63,9 @@ from backbones.ops.autocast import fp32_operator
 # The @triton.jit kernels live beside this file; the combine functions are re-exported for the tests.
 from backbones.ops.selective_scan_triton_kernels import _compose, _compose_pre, _scan_bwd_kernel, _scan_fwd_kernel  # noqa: F401
 
-# Steps per chunk, the most: a (BLOCK_D, 256) tile per live value keeps backward's ~20 live tiles within
-# registers for BLOCK_D <= 8, and 256 tokens (the project's usual sequence) take one chunk.
+# Steps per chunk, the most: a (BLOCK_D, 256) tile per live value keeps forward's live tiles within registers
+# for BLOCK_D <= 4 and backward's ~20 for BLOCK_D <= 2 (ptxas, sm_90), and 256 tokens (the project's usual
+# sequence) take one chunk.
 MAX_CHUNK = 256
 # Backward programs wanted before channels per program (CPP) stops growing: ~4 per SM on an H100/H200.
 _MIN_BWD_PROGRAMS = 512
@@ -72,17 +75,22 @@ _MIN_BWD_PROGRAMS = 512
 _INTERPRETED = isinstance(_scan_fwd_kernel, InterpretedFunction)
 
 
-def _configs(block_ds: tuple[int, ...], warps: tuple[int, ...]) -> list[triton.Config]:
+def _configs(shapes: tuple[tuple[int, int], ...]) -> list[triton.Config]:
+    """(BLOCK_D, num_warps) pairs as autotune configs."""
     if _INTERPRETED:  # the interpreter would run every config; one small one exercises the same code
         return [triton.Config({"BLOCK_D": 4}, num_warps=1)]
-    return [triton.Config({"BLOCK_D": bd}, num_warps=w) for bd in block_ds for w in warps]
+    return [triton.Config({"BLOCK_D": bd}, num_warps=w) for bd, w in shapes]
 
 
 # Keyed on the shape and the flags; the autotuner adds every tensor argument's dtype to the key itself.
 _KEY = ["d", "g", "L", "N", "HAS_D", "HAS_Z", "HAS_BIAS", "CHUNK"]
-# BLOCK_D must divide CPP (>= 8) in backward; forward has fewer live tiles and may take 16 channels.
-fwd_kernel = triton.autotune(configs=_configs((2, 4, 8, 16), (4, 8)), key=_KEY)(_scan_fwd_kernel)
-bwd_kernel = triton.autotune(configs=_configs((2, 4, 8), (4, 8)), key=_KEY)(_scan_bwd_kernel)
+# Only configs that compile for sm_90 without register spills at CHUNK = 256 (`python -m
+# train.bench.kernel_compile`, ptxas 12.9): forward BLOCK_D 8 and 16 spill 52-688 bytes per thread (BLOCK_D 2 at
+# 8 warps 20 bytes, with D and delta_bias), backward BLOCK_D 4 spills 32-184 and BLOCK_D 8 332-1380, and BLOCK_D 2
+# at 4 warps 8-12 with the Mamba block's flags (D, delta_bias, softplus): backward has one config left.
+# BLOCK_D must divide CPP (>= 8) in backward.
+fwd_kernel = triton.autotune(configs=_configs(((2, 4), (4, 4), (4, 8))), key=_KEY)(_scan_fwd_kernel)
+bwd_kernel = triton.autotune(configs=_configs(((2, 8),)), key=_KEY)(_scan_bwd_kernel)
 
 
 def time_chunk(length: int) -> int:

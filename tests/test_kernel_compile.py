@@ -1,0 +1,61 @@
+"""train.bench.kernel_compile: every autotune config of the Triton kernels compiles for sm_90 without a GPU.
+
+Compiling runs in a subprocess with TRITON_INTERPRET=0 (this suite interprets the kernels, conftest.py) and a
+fresh Triton cache, so every kernel is really compiled. Importing torch and Triton alone takes ~4 s, so even the
+smallest subset (3 configs, ~7 s on the 2-core dev box) is marked slow; only the refusal runs by default.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from conftest import run_module
+
+# A table row: kernel, variant, config (three words), registers, spill stores/loads, shared bytes, seconds.
+_ROW = re.compile(r"^(\S+)\s+(.+?)\s+(BLOCK_\S+ w\d+ s\d+)\s+(\d+)\s+(\d+)/(\d+)\s+(\d+)\s+[\d.]+$")
+
+
+def _compile(tmp_path, *args: str, timeout: float = 300):
+    result = run_module("train.bench.kernel_compile", "--arch", "90", *args, timeout=timeout,
+                        env={"TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton-cache")})
+    summary = result.stdout.split("\n\n")[1] if "\n\n" in result.stdout else ""  # the final table
+    rows = [m.groups() for line in summary.splitlines() if (m := _ROW.match(line))]
+    return result, rows
+
+
+def _check(result, rows, expected: int):
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"compiling {expected} kernel configs for sm_90" in result.stdout
+    assert len(rows) == expected, result.stdout
+    for kernel, variant, config, regs, stores, loads, shared, in rows:
+        assert 0 < int(regs) <= 255, (kernel, variant, config, regs)
+        assert (int(stores), int(loads)) == (0, 0), (kernel, variant, config, "spills")
+    assert f"{expected} of {expected} compiled without spills" in result.stdout
+
+
+def test_refuses_under_the_interpreter():
+    result = run_module("train.bench.kernel_compile", env={"TRITON_INTERPRET": "1"}, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: TRITON_INTERPRET is set, so the kernels are interpreted Python and cannot be compiled; "
+        "run with TRITON_INTERPRET=0 (or unset it)"]
+
+
+@pytest.mark.slow
+def test_forward_scan_configs_compile_for_sm90_without_spills(tmp_path):
+    """The Mamba block's forward (bf16; D, delta_bias, softplus): every autotune config, ~7 s."""
+    result, rows = _compile(tmp_path, "--kernels", "scan.fwd", "--dtypes", "bf16", "--flags", "model")
+    _check(result, rows, expected=3)
+    assert {r[2] for r in rows} == {"BLOCK_D=2 w4 s3", "BLOCK_D=4 w4 s3", "BLOCK_D=4 w8 s3"}
+
+
+@pytest.mark.slow
+def test_every_kernel_config_compiles_for_sm90_without_spills(tmp_path):
+    """Both ops, forward and backward, fp32 and bf16, scan flag sets none / model / all: ~3 min."""
+    result, rows = _compile(tmp_path, timeout=1200)
+    # Scan: (3 forward + 1 backward configs) x 3 flag sets x 2 dtypes; WKV: (3 + 3 + 2 + 2) x 2 dtypes + 2 combines.
+    _check(result, rows, expected=4 * 3 * 2 + 10 * 2 + 2)
+    assert {r[0] for r in rows} == {"scan.fwd", "scan.bwd", "wkv.fwd_sums", "wkv.fwd", "wkv.bwd_sums", "wkv.bwd",
+                                    "wkv.combine6", "wkv.combine10"}
