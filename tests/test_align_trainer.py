@@ -9,11 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
-import timm
 import torch
 from omegaconf import OmegaConf, open_dict
 from safetensors.torch import load_file
-from timm.models import save_for_hf
 
 from backbones import FAMILIES, family_module
 from routing import ConfigError
@@ -21,6 +19,7 @@ from train.checkpoint import load_run
 from train.trainer import Trainer
 
 from conftest import FAST, compose_cfg, run_cli
+from test_align import vit_folder as tiny_vit_folder  # noqa: F401  (a fixture)
 from test_host_sync import forbidden_reads, while_forbidden
 
 # The matrix's tiny model: depth 6 (the recipes' routes r2->-4 and r2->-3), width 32, an 8x8 token grid on digits.
@@ -37,13 +36,9 @@ def tread(family: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def vit_folder(tmp_path_factory):
-    """A random tiny ViT as a timm folder: patch 4 at 32 pixels, an 8x8 grid (the tiny model's token grid on digits)."""
-    torch.manual_seed(4)
-    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=4, embed_dim=48, depth=2, num_heads=2)
-    folder = tmp_path_factory.mktemp("enc") / "vit"
-    save_for_hf(vit.eval(), str(folder))
-    return folder
+def vit_folder(tiny_vit_folder):
+    """test_align's random tiny ViT as a timm folder (patch 4 at 32 pixels: an 8x8 grid, the tiny model's on digits)."""
+    return tiny_vit_folder[1]
 
 
 def mode_args(mode: str, folder: Path) -> list[str]:

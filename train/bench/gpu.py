@@ -1,8 +1,8 @@
 """The whole GPU check in one command: correctness first, then every speed row of docs/performance.md.
 
     python -m train.bench.gpu --out docs/gpu/h100-2026-11-26         # about 6 minutes on one H100 (a guess)
-    python -m train.bench.gpu --sections kernels families --out /tmp/gpu   # correctness only
-    python -m train.bench.gpu --dry-run --out /tmp/gpu-dry            # every section at tiny shapes on the CPU
+    python -m train.bench.gpu --sections kernels families --out runs/gpu   # correctness only
+    python -m train.bench.gpu --dry-run --out runs/gpu-dry            # every section at tiny shapes on the CPU
 
 Sections run in order of importance, each started only if its estimated time still fits the budget (--budget-s);
 one that does not fit is skipped with a line saying so, and one that runs far past its estimate or the budget is

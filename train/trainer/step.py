@@ -58,10 +58,7 @@ class Step:
             y, labels = y.to(acc.device, non_blocking=True), labels.to(acc.device, non_blocking=True)
             labels = torch.where(drop_all[part], self.dataset.num_classes, labels)  # null class for CFG
             keep, weight = self._batch_masks(start)  # masks from the data: force-kept tokens and the loss weight
-            if hasattr(router, "set_draws"):
-                router.set_draws(routes, start, G)  # a sample's route depends on (seed, step, its index) only
-            else:
-                router.generator = seeded(cfg.seed, self.step, ROUTES, start, device=acc.device)
+            router.set_draws(routes, start, G)  # a sample's route depends on (seed, step, its index) only
             with acc.accumulate(*modules), self._force_kept(keep):
                 with acc.autocast():
                     per_elem = self.objective.loss(self.forward, y, labels, t_all[part], noise_all[part])
