@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from train.bench import gpu, gpu_checks, gpu_speed
-from train.bench.gpu_budget import Section, run_sections
+from train.bench.gpu_budget import PROGRESS, Section, run_sections
 
 
 def test_dry_run_writes_every_section(tmp_path, capsys):
@@ -89,8 +89,27 @@ def test_a_section_past_three_times_its_estimate_is_stopped_and_the_next_runs():
     sections = [Section("hangs", "hangs", "steps", 0.1, _forever), *_sections(calls, {"after": 0.1})]
     results = run_sections(sections, budget_s=100, log=lambda line: None)
     assert results[0]["status"] == "stopped" and results[0]["seconds"] < 10
-    assert results[0]["note"] == "still running after 0 s (3 x its estimate), stopped"
+    assert results[0]["note"] == "still running after 0 s (3 x its estimate), stopped; 0 finished records kept"
     assert results[1]["status"] == "measured" and calls == ["after"]
+
+
+def test_a_stopped_section_keeps_the_records_it_finished():
+    """A section that hands over two records and then hangs (a compile that never ends) is stopped, and its report
+    still holds the two records; the log has a line for each."""
+
+    def two_then_hang():
+        def records():
+            yield {"kernel": "k", "precision": "fp32", "passed": True}
+            yield {"kernel": "k", "precision": "bf16", "passed": False}
+            time.sleep(30)
+        return {"status": "passed", "records": PROGRESS.collect(records())}
+
+    lines: list[str] = []
+    results = run_sections([Section("hangs", "hangs", "kernel_checks", 0.2, two_then_hang)], budget_s=100, log=lines.append)
+    assert results[0]["status"] == "stopped" and results[0]["seconds"] < 10
+    assert [r["precision"] for r in results[0]["records"]] == ["fp32", "bf16"]
+    assert results[0]["records"][0]["section"] == "hangs" and "2 finished records kept" in results[0]["note"]
+    assert any(line.endswith("k fp32: passed") for line in lines) and any(line.endswith("k bf16: FAILED") for line in lines)
 
 
 def test_a_section_past_the_budget_is_stopped():
@@ -117,7 +136,7 @@ def test_a_broken_kernel_is_a_row_and_the_other_kernel_is_still_checked(monkeypa
         raise RuntimeError("no kernel here\ndetail")
 
     monkeypatch.setattr(backbones.ops.wkv, "bi_wkv", broken)
-    checks = gpu_checks.kernel_checks(torch.device("cpu"), (1, 4, 8, 4), (1, 8, 4))
+    checks = list(gpu_checks.kernel_checks(torch.device("cpu"), (1, 4, 8, 4), (1, 8, 4)))
     assert [c["passed"] for c in checks] == [True, True, True, False, False]
     assert checks[3] == {"kernel": "Bi-WKV (Triton)", "precision": "fp32", "shape": "B1 T8 C4",
                          "error": "RuntimeError: no kernel here", "passed": False}

@@ -13,8 +13,9 @@ import pytest
 
 from conftest import run_module
 
-# A table row: kernel, variant, config (three words), registers, spill stores/loads, shared bytes, seconds.
-_ROW = re.compile(r"^(\S+)\s+(.+?)\s+(BLOCK_\S+ w\d+ s\d+)\s+(\d+)\s+(\d+)/(\d+)\s+(\d+)\s+[\d.]+$")
+# A table row: kernel, variant, config (three words), registers, spill stores/loads, shared bytes, seconds, then the
+# SASS's instructions, exponentials and selects.
+_ROW = re.compile(r"^(\S+)\s+(.+?)\s+(BLOCK_\S+ w\d+ s\d+)\s+(\d+)\s+(\d+)/(\d+)\s+(\d+)\s+[\d.]+\s+(\d+)\s+(\d+)\s+\d+$")
 
 
 def _compile(tmp_path, *args: str, timeout: float = 300):
@@ -29,7 +30,7 @@ def _check(result, rows, expected: int):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"compiling {expected} kernel configs for sm_90" in result.stdout
     assert len(rows) == expected, result.stdout
-    for kernel, variant, config, regs, stores, loads, shared, in rows:
+    for kernel, variant, config, regs, stores, loads, shared, _, _ in rows:
         assert 0 < int(regs) <= 255, (kernel, variant, config, regs)
         assert (int(stores), int(loads)) == (0, 0), (kernel, variant, config, "spills")
     assert f"{expected} of {expected} compiled without spills" in result.stdout
@@ -52,10 +53,19 @@ def test_forward_scan_configs_compile_for_sm90_without_spills(tmp_path):
 
 
 @pytest.mark.slow
+def test_wkv_walks_are_unrolled_for_sm90(tmp_path):
+    """The chunk sums walk 16 rows twice with two exponentials a step: 64 MUFU.EX2 in the SASS only when LLVM
+    unrolled every 2-step loop (wkv_triton_walks._PARTS); a loop left rolled has fewer, and picks rows by selects."""
+    result, rows = _compile(tmp_path, "--kernels", "wkv.fwd_sums", "--dtypes", "bf16")
+    _check(result, rows, expected=2)
+    assert {int(r[8]) for r in rows} == {64}, rows
+
+
+@pytest.mark.slow
 def test_every_kernel_config_compiles_for_sm90_without_spills(tmp_path):
-    """Both ops, forward and backward, fp32 and bf16, scan flag sets none / model / all: ~3 min."""
+    """Both ops, forward and backward, fp32 and bf16, scan flag sets none / model / all: ~1 min."""
     result, rows = _compile(tmp_path, timeout=1200)
-    # Scan: (3 forward + 1 backward configs) x 3 flag sets x 2 dtypes; WKV: (3 + 3 + 2 + 2) x 2 dtypes + 2 combines.
-    _check(result, rows, expected=4 * 3 * 2 + 10 * 2 + 2)
+    # Scan: (3 forward + 1 backward configs) x 3 flag sets x 2 dtypes; WKV: (2 + 2 + 2 + 2) x 2 dtypes + 2 combines.
+    _check(result, rows, expected=4 * 3 * 2 + 8 * 2 + 2)
     assert {r[0] for r in rows} == {"scan.fwd", "scan.bwd", "wkv.fwd_sums", "wkv.fwd", "wkv.bwd_sums", "wkv.bwd",
                                     "wkv.combine6", "wkv.combine10"}

@@ -64,6 +64,7 @@ import triton.language as tl
 
 from backbones.ops.wkv_triton_walks import (
     _NEG,
+    _PARTS,
     _alpha_beta,
     _chunk_sums,
     _chunk_sums_grad,
@@ -81,6 +82,7 @@ from backbones.ops.wkv_triton_walks import (
 # Chunks per load in the combine walk: a (16, BLOCK_C) tile of aggregates per field, its rows in registers. Under
 # the interpreter 2, so that the tests' few chunks cross a group boundary (in both walking directions).
 _GROUP = 2 if os.environ.get("TRITON_INTERPRET") == "1" else 16
+_GROUP_PARTS = min(_GROUP, 8)  # the walk over a group, as unrolled copies of a 2-step loop (wkv_triton_walks._PARTS)
 
 
 def chunk_len(T: int) -> int:
@@ -88,14 +90,15 @@ def chunk_len(T: int) -> int:
     return 16
 
 
-def _configs(backward: bool = False) -> list[triton.Config]:
+def _configs() -> list[triton.Config]:
     """Channels per program and warps. Under TRITON_INTERPRET=1 one config: the interpreter would run them all."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return [triton.Config({"BLOCK_C": 32}, num_warps=1)]
-    # Rows stay in-thread only with threads along channels: BLOCK_C a multiple of 32 * num_warps. Two channels
-    # per thread (64 on one warp) spill in the backward (ptxas, sm_90), so only the forward tries it. Few
-    # configs: each is compiled on first use (seconds per kernel), and the choice is mostly the CTA size.
-    shapes = [(32, 1), (128, 4)] + ([] if backward else [(64, 1)])
+    # Rows stay in-thread only with threads along channels: BLOCK_C a multiple of 32 * num_warps. Two channels per
+    # thread (64 on one warp) spill in the backward, and in the forward LLVM leaves its walks rolled (the picks become
+    # selects; `train.bench.kernel_compile`), so neither direction tries it. Few configs: each is compiled on first
+    # use (seconds per kernel), and the choice is mostly the CTA size.
+    shapes = [(32, 1), (128, 4)]
     return [triton.Config({"BLOCK_C": bc}, num_warps=nw) for bc, nw in shapes]
 
 
@@ -116,7 +119,7 @@ def _fwd_sums_kernel(w_ptr, k_ptr, v_ptr, agg_ptr, B, T, C, n_chunks, BLOCK_T: t
 
 @triton.jit
 def _combine_kernel(w_ptr, agg_ptr, carry_ptr, B, n_chunks, C, FIELDS: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_C: tl.constexpr, GROUP: tl.constexpr):
+                    BLOCK_C: tl.constexpr, GROUP: tl.constexpr, PARTS: tl.constexpr):
     """Carries entering each chunk from (FIELDS, B, n, C) chunk aggregates, left side ascending, right side
     descending. FIELDS = 6: forward [scale, num, den] per side; 10: backward [scale, R_a, R_b, R'_a, R'_b]."""
     b = tl.program_id(0)
@@ -145,26 +148,28 @@ def _combine_kernel(w_ptr, agg_ptr, carry_ptr, B, n_chunks, C, FIELDS: tl.conste
             if FIELDS == 10:
                 Xs = tl.load(agg_ptr + offs + 3 * field, mask=m, other=0.0)
                 Ws = tl.load(agg_ptr + offs + 4 * field, mask=m, other=0.0)
-            for jj in tl.static_range(GROUP):
-                j = jj + side * (GROUP - 1 - 2 * jj)  # constexpr: rows walked in the side's direction
-                ok = col_ok & (g0 + j < n_chunks)
-                out = carry_ptr + base + (g0 + j) * C + PER * side * field
-                tl.store(out, h, mask=ok)
-                tl.store(out + field, A, mask=ok)
-                tl.store(out + 2 * field, D, mask=ok)
-                if FIELDS == 10:
-                    tl.store(out + 3 * field, Sa, mask=ok)
-                    tl.store(out + 4 * field, Sb, mask=ok)
-                    h2, A2, D2, Sa2, Sb2 = _push_grad(h, A, D, Sa, Sb, BLOCK_T * w, BLOCK_T, _row(Hs, rows, j),
-                                                      _row(As, rows, j), _row(Ds, rows, j), _row(Xs, rows, j),
-                                                      _row(Ws, rows, j))
-                    Sa = tl.where(ok, Sa2, Sa)
-                    Sb = tl.where(ok, Sb2, Sb)
-                else:
-                    h2, A2, D2 = _push(h, A, D, BLOCK_T * w, _row(Hs, rows, j), _row(As, rows, j), _row(Ds, rows, j))
-                h = tl.where(ok, h2, h)
-                A = tl.where(ok, A2, A)
-                D = tl.where(ok, D2, D)
+            for part in tl.static_range(PARTS):
+                for step in range(GROUP // PARTS):
+                    jj = part * (GROUP // PARTS) + step
+                    j = jj + side * (GROUP - 1 - 2 * jj)  # rows walked in the side's direction
+                    ok = col_ok & (g0 + j < n_chunks)
+                    out = carry_ptr + base + (g0 + j) * C + PER * side * field
+                    tl.store(out, h, mask=ok)
+                    tl.store(out + field, A, mask=ok)
+                    tl.store(out + 2 * field, D, mask=ok)
+                    if FIELDS == 10:
+                        tl.store(out + 3 * field, Sa, mask=ok)
+                        tl.store(out + 4 * field, Sb, mask=ok)
+                        h2, A2, D2, Sa2, Sb2 = _push_grad(h, A, D, Sa, Sb, BLOCK_T * w, BLOCK_T, _row(Hs, rows, j),
+                                                          _row(As, rows, j), _row(Ds, rows, j), _row(Xs, rows, j),
+                                                          _row(Ws, rows, j))
+                        Sa = tl.where(ok, Sa2, Sa)
+                        Sb = tl.where(ok, Sb2, Sb)
+                    else:
+                        h2, A2, D2 = _push(h, A, D, BLOCK_T * w, _row(Hs, rows, j), _row(As, rows, j), _row(Ds, rows, j))
+                    h = tl.where(ok, h2, h)
+                    A = tl.where(ok, A2, A)
+                    D = tl.where(ok, D2, D)
 
 
 @triton.autotune(configs=_configs(), key=["T", "C"])
@@ -181,7 +186,7 @@ def _fwd_kernel(w_ptr, u_ptr, k_ptr, v_ptr, carry_ptr, y_ptr, B, T, C, n_chunks,
     tl.store(y_ptr + offs, Y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=_configs(backward=True), key=["T", "C"])
+@triton.autotune(configs=_configs(), key=["T", "C"])
 @triton.jit
 def _bwd_sums_kernel(w_ptr, u_ptr, k_ptr, v_ptr, gy_ptr, fcarry_ptr, agg_ptr, B, T, C, n_chunks,
                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -200,7 +205,7 @@ def _bwd_sums_kernel(w_ptr, u_ptr, k_ptr, v_ptr, gy_ptr, fcarry_ptr, agg_ptr, B,
         tl.store(agg_ptr + slot + i * field, sums[i], mask=col_ok)
 
 
-@triton.autotune(configs=_configs(backward=True), key=["T", "C"])
+@triton.autotune(configs=_configs(), key=["T", "C"])
 @triton.jit
 def _bwd_kernel(w_ptr, u_ptr, k_ptr, v_ptr, gy_ptr, fcarry_ptr, bcarry_ptr, dk_ptr, dv_ptr, part_ptr,
                 B, T, C, n_chunks, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -226,29 +231,31 @@ def _bwd_kernel(w_ptr, u_ptr, k_ptr, v_ptr, gy_ptr, fcarry_ptr, bcarry_ptr, dk_p
     dw = tl.zeros([BLOCK_C], tl.float32)
     dK = tl.zeros_like(K)
     dV = tl.zeros_like(K)
-    for jj in tl.static_range(BLOCK_T):
-        j = BLOCK_T - 1 - jj  # constexpr: rows walked right to left
-        k_j = _row(K, rows, j)
-        v_j = _row(V, rows, j)
-        s_j = _row(S_, rows, j)
-        a_j = _row(Al, rows, j)
-        b_j = _row(Be, rows, j)
-        # e^{u + k_j} [alpha_j, beta_j]: the attention weight of token j on itself times g_j.
-        e_self = tl.exp((k_j + s_j) + u)
-        # e^{k_j} times the right carries: weights K(t, j) e^{k_j} / D_t <= 1, never overflows.
-        e_right = tl.exp(k_j + h)
-        dk_self = e_self * (v_j * a_j + b_j)
-        du += dk_self
-        dw -= e_right * (v_j * Sa + Sb)
-        dK = _put(dK, rows, j, dk_self + e_right * (v_j * Ra + Rb))
-        dV = _put(dV, rows, j, e_self * a_j + e_right * Ra)
-        valid = t0 + j < T
-        h2, Ra2, Rb2, Sa2, Sb2 = _push_grad(h, Ra, Rb, Sa, Sb, w, 1.0, s_j, a_j, b_j, 0.0, 0.0)
-        h = tl.where(valid, h2, h)
-        Ra = tl.where(valid, Ra2, Ra)
-        Rb = tl.where(valid, Rb2, Rb)
-        Sa = tl.where(valid, Sa2, Sa)
-        Sb = tl.where(valid, Sb2, Sb)
+    for part in tl.static_range(_PARTS):
+        for step in range(BLOCK_T // _PARTS):
+            jj = part * (BLOCK_T // _PARTS) + step
+            j = BLOCK_T - 1 - jj  # rows walked right to left
+            k_j = _row(K, rows, j)
+            v_j = _row(V, rows, j)
+            s_j = _row(S_, rows, j)
+            a_j = _row(Al, rows, j)
+            b_j = _row(Be, rows, j)
+            # e^{u + k_j} [alpha_j, beta_j]: the attention weight of token j on itself times g_j.
+            e_self = tl.exp((k_j + s_j) + u)
+            # e^{k_j} times the right carries: weights K(t, j) e^{k_j} / D_t <= 1, never overflows.
+            e_right = tl.exp(k_j + h)
+            dk_self = e_self * (v_j * a_j + b_j)
+            du += dk_self
+            dw -= e_right * (v_j * Sa + Sb)
+            dK = _put(dK, rows, j, dk_self + e_right * (v_j * Ra + Rb))
+            dV = _put(dV, rows, j, e_self * a_j + e_right * Ra)
+            valid = t0 + j < T
+            h2, Ra2, Rb2, Sa2, Sb2 = _push_grad(h, Ra, Rb, Sa, Sb, w, 1.0, s_j, a_j, b_j, 0.0, 0.0)
+            h = tl.where(valid, h2, h)
+            Ra = tl.where(valid, Ra2, Ra)
+            Rb = tl.where(valid, Rb2, Rb)
+            Sa = tl.where(valid, Sa2, Sa)
+            Sb = tl.where(valid, Sb2, Sb)
 
     # Everything from the left, from the carries entering the chunk.
     h = tl.load(bcarry_ptr + slot, mask=col_ok, other=_NEG)
@@ -256,16 +263,18 @@ def _bwd_kernel(w_ptr, u_ptr, k_ptr, v_ptr, gy_ptr, fcarry_ptr, bcarry_ptr, dk_p
     Lb = tl.load(bcarry_ptr + slot + 2 * field, mask=col_ok, other=0.0)
     Ma = tl.load(bcarry_ptr + slot + 3 * field, mask=col_ok, other=0.0)  # L'[alpha]
     Mb = tl.load(bcarry_ptr + slot + 4 * field, mask=col_ok, other=0.0)  # L'[beta]
-    for j in tl.static_range(BLOCK_T):
-        k_j = _row(K, rows, j)
-        v_j = _row(V, rows, j)
-        e_left = tl.exp(k_j + h)
-        dw -= e_left * (v_j * Ma + Mb)
-        dK = _put(dK, rows, j, _row(dK, rows, j) + e_left * (v_j * La + Lb))
-        dV = _put(dV, rows, j, _row(dV, rows, j) + e_left * La)
-        # Rows past T only follow the last real one, so the left carries need no mask.
-        h, La, Lb, Ma, Mb = _push_grad(h, La, Lb, Ma, Mb, w, 1.0, _row(S_, rows, j), _row(Al, rows, j),
-                                       _row(Be, rows, j), 0.0, 0.0)
+    for part in tl.static_range(_PARTS):
+        for step in range(BLOCK_T // _PARTS):
+            j = part * (BLOCK_T // _PARTS) + step
+            k_j = _row(K, rows, j)
+            v_j = _row(V, rows, j)
+            e_left = tl.exp(k_j + h)
+            dw -= e_left * (v_j * Ma + Mb)
+            dK = _put(dK, rows, j, _row(dK, rows, j) + e_left * (v_j * La + Lb))
+            dV = _put(dV, rows, j, _row(dV, rows, j) + e_left * La)
+            # Rows past T only follow the last real one, so the left carries need no mask.
+            h, La, Lb, Ma, Mb = _push_grad(h, La, Lb, Ma, Mb, w, 1.0, _row(S_, rows, j), _row(Al, rows, j),
+                                           _row(Be, rows, j), 0.0, 0.0)
 
     tl.store(dk_ptr + offs, dK.to(dk_ptr.dtype.element_ty), mask=mask)
     tl.store(dv_ptr + offs, dV.to(dv_ptr.dtype.element_ty), mask=mask)
@@ -286,7 +295,7 @@ def _combine(w: torch.Tensor, agg: torch.Tensor, L: int) -> torch.Tensor:
     carries = torch.empty_like(agg)
     # One warp per 32 channels: the walk is n short steps, and its tiles keep rows in-thread.
     _combine_kernel[(B, triton.cdiv(C, 32))](w, agg, carries, B, n, C, FIELDS=fields, BLOCK_T=L, BLOCK_C=32,
-                                              GROUP=_GROUP, num_warps=1)
+                                              GROUP=_GROUP, PARTS=_GROUP_PARTS, num_warps=1)
     return carries
 
 

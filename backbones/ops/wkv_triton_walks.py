@@ -13,16 +13,25 @@ import triton.language as tl
 
 # Log-scale of an empty carry: finite, so that differences of scales never give inf - inf.
 _NEG = tl.constexpr(-1.0e30)
+# Every walk over a chunk's 16 rows is written as _PARTS = 8 unrolled copies of a 2-step loop, not as 16 unrolled
+# steps. Why: Triton's Coalesce pass costs about (memory ops) x (ops)^2 on a kernel whose ops all connect, and with 16
+# unrolled steps the backward took 15 s per autotune config to compile, 12 s of it in that pass
+# (`train.bench.kernel_compile`; the first H100 run spent its minutes in these compiles). LLVM unrolls the 2-step
+# loops after that pass and folds every row pick to a register move: for sm_90 the SASS has the instructions,
+# exponentials and selects of the fully unrolled walk. With 4-step loops the fp32 backward spilled under Triton 3.8;
+# with 8-step loops LLVM left some rolled, and a rolled pick costs 16 selects.
+_PARTS = tl.constexpr(8)
 
 
 @triton.jit
-def _row(tile, rows, j: tl.constexpr):
-    """Row j of a (rows, BLOCK_C) tile as a (BLOCK_C,) vector (a register pick when rows live in-thread)."""
+def _row(tile, rows, j):
+    """Row j of a (rows, BLOCK_C) tile as a (BLOCK_C,) vector (a register pick when rows live in-thread and j is
+    known once the walk is unrolled; see _PARTS)."""
     return tl.sum(tl.where(rows[:, None] == j, tile, 0.0), axis=0)
 
 
 @triton.jit
-def _put(tile, rows, j: tl.constexpr, row):
+def _put(tile, rows, j, row):
     """The tile with row j replaced by `row`."""
     return tl.where(rows[:, None] == j, row[None, :], tile)
 
@@ -61,16 +70,18 @@ def _chunk_sums(K, V, rows, w, t0, T, BLOCK_T: tl.constexpr):
     hR = tl.full([K.shape[1]], _NEG, tl.float32)
     AR = tl.zeros([K.shape[1]], tl.float32)
     DR = tl.zeros([K.shape[1]], tl.float32)
-    for jj in tl.static_range(BLOCK_T):
-        # Padding rows past T end the left walk (the last chunk's left sums are never used) and must not
-        # enter the right one.
-        hL, AL, DL = _push(hL, AL, DL, w, _row(K, rows, jj), _row(V, rows, jj), 1.0)
-        j = BLOCK_T - 1 - jj  # constexpr: rows walked right to left
-        h2, A2, D2 = _push(hR, AR, DR, w, _row(K, rows, j), _row(V, rows, j), 1.0)
-        valid = t0 + j < T
-        hR = tl.where(valid, h2, hR)
-        AR = tl.where(valid, A2, AR)
-        DR = tl.where(valid, D2, DR)
+    for part in tl.static_range(_PARTS):
+        for step in range(BLOCK_T // _PARTS):
+            jj = part * (BLOCK_T // _PARTS) + step
+            # Padding rows past T end the left walk (the last chunk's left sums are never used) and must not
+            # enter the right one.
+            hL, AL, DL = _push(hL, AL, DL, w, _row(K, rows, jj), _row(V, rows, jj), 1.0)
+            j = BLOCK_T - 1 - jj  # rows walked right to left
+            h2, A2, D2 = _push(hR, AR, DR, w, _row(K, rows, j), _row(V, rows, j), 1.0)
+            valid = t0 + j < T
+            hR = tl.where(valid, h2, hR)
+            AR = tl.where(valid, A2, AR)
+            DR = tl.where(valid, D2, DR)
     return hL, AL, DL, hR, AR, DR
 
 
@@ -87,18 +98,20 @@ def _chunk_sums_grad(S_, Al, Be, rows, w, t0, T, BLOCK_T: tl.constexpr):
     Rb = tl.zeros([S_.shape[1]], tl.float32)
     Sa = tl.zeros([S_.shape[1]], tl.float32)
     Sb = tl.zeros([S_.shape[1]], tl.float32)
-    for jj in tl.static_range(BLOCK_T):
-        hL, La, Lb, Ma, Mb = _push_grad(hL, La, Lb, Ma, Mb, w, 1.0, _row(S_, rows, jj), _row(Al, rows, jj),
-                                        _row(Be, rows, jj), 0.0, 0.0)
-        j = BLOCK_T - 1 - jj  # constexpr: rows walked right to left
-        h2, Ra2, Rb2, Sa2, Sb2 = _push_grad(hR, Ra, Rb, Sa, Sb, w, 1.0, _row(S_, rows, j), _row(Al, rows, j),
-                                            _row(Be, rows, j), 0.0, 0.0)
-        valid = t0 + j < T
-        hR = tl.where(valid, h2, hR)
-        Ra = tl.where(valid, Ra2, Ra)
-        Rb = tl.where(valid, Rb2, Rb)
-        Sa = tl.where(valid, Sa2, Sa)
-        Sb = tl.where(valid, Sb2, Sb)
+    for part in tl.static_range(_PARTS):
+        for step in range(BLOCK_T // _PARTS):
+            jj = part * (BLOCK_T // _PARTS) + step
+            hL, La, Lb, Ma, Mb = _push_grad(hL, La, Lb, Ma, Mb, w, 1.0, _row(S_, rows, jj), _row(Al, rows, jj),
+                                            _row(Be, rows, jj), 0.0, 0.0)
+            j = BLOCK_T - 1 - jj  # rows walked right to left
+            h2, Ra2, Rb2, Sa2, Sb2 = _push_grad(hR, Ra, Rb, Sa, Sb, w, 1.0, _row(S_, rows, j), _row(Al, rows, j),
+                                                _row(Be, rows, j), 0.0, 0.0)
+            valid = t0 + j < T
+            hR = tl.where(valid, h2, hR)
+            Ra = tl.where(valid, Ra2, Ra)
+            Rb = tl.where(valid, Rb2, Rb)
+            Sa = tl.where(valid, Sa2, Sa)
+            Sb = tl.where(valid, Sb2, Sb)
     return hL, La, Lb, Ma, Mb, hR, Ra, Rb, Sa, Sb
 
 
@@ -110,38 +123,42 @@ def _fwd_tile(K, V, rows, w, u, hG, AG, DG, hH, AH, DH, t0, T, BLOCK_T: tl.const
     Zh = tl.zeros_like(K)
     Zn = tl.zeros_like(K)
     Zd = tl.zeros_like(K)
-    for jj in tl.static_range(BLOCK_T):
-        j = BLOCK_T - 1 - jj  # constexpr: rows walked right to left
-        k_j = _row(K, rows, j)
-        v_j = _row(V, rows, j)
-        m = tl.floor(tl.maximum(hH, k_j + u) + 0.5)
-        e_carry = tl.exp(hH - m)
-        e_self = tl.exp((k_j - m) + u)
-        Zh = _put(Zh, rows, j, m)
-        Zn = _put(Zn, rows, j, AH * e_carry + v_j * e_self)
-        Zd = _put(Zd, rows, j, DH * e_carry + e_self)
-        # Padding rows past T come first from the right: they must leave the carry empty.
-        valid = t0 + j < T
-        h2, A2, D2 = _push(hH, AH, DH, w, k_j, v_j, 1.0)
-        hH = tl.where(valid, h2, hH)
-        AH = tl.where(valid, A2, AH)
-        DH = tl.where(valid, D2, DH)
+    for part in tl.static_range(_PARTS):
+        for step in range(BLOCK_T // _PARTS):
+            jj = part * (BLOCK_T // _PARTS) + step
+            j = BLOCK_T - 1 - jj  # rows walked right to left
+            k_j = _row(K, rows, j)
+            v_j = _row(V, rows, j)
+            m = tl.floor(tl.maximum(hH, k_j + u) + 0.5)
+            e_carry = tl.exp(hH - m)
+            e_self = tl.exp((k_j - m) + u)
+            Zh = _put(Zh, rows, j, m)
+            Zn = _put(Zn, rows, j, AH * e_carry + v_j * e_self)
+            Zd = _put(Zd, rows, j, DH * e_carry + e_self)
+            # Padding rows past T come first from the right: they must leave the carry empty.
+            valid = t0 + j < T
+            h2, A2, D2 = _push(hH, AH, DH, w, k_j, v_j, 1.0)
+            hH = tl.where(valid, h2, hH)
+            AH = tl.where(valid, A2, AH)
+            DH = tl.where(valid, D2, DH)
     # Left to right: y_t = (G_t + Z_t) under the common integer scale P_t = max(h_G, h_Z).
     Y = tl.zeros_like(K)
     Pt = tl.zeros_like(K)
     Dt = tl.zeros_like(K)
-    for j in tl.static_range(BLOCK_T):
-        m = _row(Zh, rows, j)
-        P = tl.maximum(hG, m)
-        e_left = tl.exp(hG - P)
-        e_z = tl.exp(m - P)
-        num = AG * e_left + _row(Zn, rows, j) * e_z
-        den = DG * e_left + _row(Zd, rows, j) * e_z
-        Y = _put(Y, rows, j, num / den)
-        Pt = _put(Pt, rows, j, P)
-        Dt = _put(Dt, rows, j, den)
-        # Rows past T only follow the last real one, so the left carry needs no mask.
-        hG, AG, DG = _push(hG, AG, DG, w, _row(K, rows, j), _row(V, rows, j), 1.0)
+    for part in tl.static_range(_PARTS):
+        for step in range(BLOCK_T // _PARTS):
+            j = part * (BLOCK_T // _PARTS) + step
+            m = _row(Zh, rows, j)
+            P = tl.maximum(hG, m)
+            e_left = tl.exp(hG - P)
+            e_z = tl.exp(m - P)
+            num = AG * e_left + _row(Zn, rows, j) * e_z
+            den = DG * e_left + _row(Zd, rows, j) * e_z
+            Y = _put(Y, rows, j, num / den)
+            Pt = _put(Pt, rows, j, P)
+            Dt = _put(Dt, rows, j, den)
+            # Rows past T only follow the last real one, so the left carry needs no mask.
+            hG, AG, DG = _push(hG, AG, DG, w, _row(K, rows, j), _row(V, rows, j), 1.0)
     return Y, Pt, Dt
 
 

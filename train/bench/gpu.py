@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from train.bench.gpu_budget import Section, run_sections
+from train.bench.gpu_budget import PROGRESS, Section, run_sections
 from routing import ConfigError
 from train.cli import ArgumentParser, bounded, device as device_type, output_folder, refuse
 
@@ -61,13 +61,13 @@ def kernel_checks(s: Settings) -> dict:
     from train.bench.gpu_checks import kernel_checks as checks
 
     records = checks(_kernel_device(s), (1, 4, 8, 4) if s.dry_run else (2, 64, 256, 16), (1, 8, 4) if s.dry_run else (2, 256, 64))
-    return _checked(records)
+    return _checked(PROGRESS.collect(records))
 
 
 def family_checks(s: Settings) -> dict:
     from train.bench.gpu_checks import family_checks as checks
 
-    out = _checked(checks(_device(s), "tiny", s.size, s.batch(4), 2 if s.dry_run else None))
+    out = _checked(PROGRESS.collect(checks(_device(s), "tiny", s.size, s.batch(4), 2 if s.dry_run else None)))
     if _device(s).type == "cpu":
         out["note"] += " (both sides on the CPU: this compares nothing but runs the code)"
     return out
@@ -77,7 +77,7 @@ def kernel_speed(s: Settings) -> dict:
     from train.bench.gpu_speed import kernel_rows
 
     scan, wkv = ((1, 4, 8, 4), (1, 8, 4)) if s.dry_run else ((64, 768, 256, 16), (64, 256, 384))
-    rows = kernel_rows(_kernel_device(s), scan, wkv, *_repeats(s, 20, 5))
+    rows = PROGRESS.collect(kernel_rows(_kernel_device(s), scan, wkv, *_repeats(s, 20, 5)))
     for row in rows if s.dry_run else []:
         row["goal_met"] = None  # tiny shapes decide no goal
     broken = [r for r in rows if "error" in r]

@@ -14,8 +14,8 @@ import gc
 import signal
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 STOP_AFTER = 1.25  # a section running past 1.25 x the budget is stopped
 SECTION_STOP = 3.0  # ... and one running past 3 x its own estimate (not in a dry run, whose estimates are nominal)
@@ -30,6 +30,33 @@ class Section:
     estimate_s: float  # a guess of its time on one H100
     run: Callable[..., dict]  # -> {"status", "records", "note"?}; called with the seconds left if needs_remaining
     needs_remaining: bool = False
+
+
+@dataclass
+class Progress:
+    """The records the running section has finished, kept outside it: a stopped section still reports them, and
+    the log shows each one as it lands, with the time. (The first H100 run stopped three sections after minutes of
+    Triton compiles and kept nothing of them.) A section hands its records over through `collect`."""
+
+    records: list = field(default_factory=list)
+    log: Callable[[str], None] = print
+    began: float = 0.0
+    clock: Callable[[], float] = time.monotonic
+
+    def collect(self, records: Iterable[dict]) -> list[dict]:
+        for record in records:
+            self.records.append(record)
+            self.log(f"[{self.clock() - self.began:5.0f} s]   {_describe(record)}")
+        return self.records
+
+
+PROGRESS = Progress()
+
+
+def _describe(record: dict) -> str:
+    label = " ".join(str(record[k]) for k in ("kernel", "family", "precision", "shape") if k in record)
+    outcome = "error" if "error" in record else {True: "passed", False: "FAILED"}.get(record.get("passed"), "measured")
+    return f"{label}: {outcome}"
 
 
 class OverBudget(BaseException):
@@ -74,6 +101,7 @@ def run_sections(sections: list[Section], budget_s: float, dry_run: bool = False
             continue
         log(f"[{elapsed:5.0f} s] {section.name}: {section.title} (about {estimate:.0f} s)")
         tic = clock()
+        PROGRESS.records, PROGRESS.log, PROGRESS.began, PROGRESS.clock = [], log, began, clock
         overall = STOP_AFTER * budget_s - elapsed
         limit = overall if dry_run else min(overall, SECTION_STOP * estimate)
         try:
@@ -83,7 +111,8 @@ def run_sections(sections: list[Section], budget_s: float, dry_run: bool = False
                           note=out.get("note", ""))
         except OverBudget:
             why = f"{STOP_AFTER} x the budget" if limit == overall else f"{SECTION_STOP:.0f} x its estimate"
-            result.update(status="stopped", note=f"still running after {limit:.0f} s ({why}), stopped")
+            result.update(status="stopped", records=[{"section": section.name, **r} for r in PROGRESS.records],
+                          note=f"still running after {limit:.0f} s ({why}), stopped; {len(PROGRESS.records)} finished records kept")
         except Exception as err:  # noqa: BLE001 - the report says what failed, and the check goes on
             lines = str(err).strip().splitlines() or [""]
             result.update(status="error", note=f"{type(err).__name__}: {lines[0][:300]}")

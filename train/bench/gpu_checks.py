@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -86,8 +87,9 @@ def wkv_inputs(B: int, T: int, C: int, device, precision: str, seed: int = 0) ->
             "k": torch.randn(B, T, C, generator=g).to(device, act), "v": torch.randn(B, T, C, generator=g).to(device, act)}
 
 
-def kernel_checks(device: torch.device, scan_shape: tuple[int, ...], wkv_shape: tuple[int, ...]) -> list[dict]:
-    """Both Triton kernels (through their stable entry points) against their O(L) / O(T^2) fp64 definitions."""
+def kernel_checks(device: torch.device, scan_shape: tuple[int, ...], wkv_shape: tuple[int, ...]) -> Iterator[dict]:
+    """Both Triton kernels (through their stable entry points) against their O(L) / O(T^2) fp64 definitions, one
+    record at a time (a stopped section keeps those already made)."""
     from backbones.ops.cuda_kernels import scan_fn
     from backbones.ops.selective_scan import selective_scan_ref
     from backbones.ops.wkv import bi_wkv, bi_wkv_reference
@@ -98,20 +100,18 @@ def kernel_checks(device: torch.device, scan_shape: tuple[int, ...], wkv_shape: 
     def scan_ref(**kw):
         return selective_scan_ref(**kw, delta_softplus=True)
 
-    checks = []
     b, d, length, n = scan_shape
     for precision in ("fp32", "bf16", "fp32, decay -1e5"):
         upstream = torch.randn(b, d, length, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
         base = {"kernel": "selective scan (Triton)", "precision": precision, "shape": f"b{b} d{d} L{length} N{n}"}
-        checks.append(guarded(base, lambda: _compare(*base.values(), scan, scan_ref, scan_inputs(b, d, length, n, device, precision),
-                                                     upstream)))
+        yield guarded(base, lambda: _compare(*base.values(), scan, scan_ref, scan_inputs(b, d, length, n, device, precision),
+                                             upstream))
     B, T, C = wkv_shape
     for precision in ("fp32", "bf16"):
         upstream = torch.randn(B, T, C, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
         base = {"kernel": "Bi-WKV (Triton)", "precision": precision, "shape": f"B{B} T{T} C{C}"}
-        checks.append(guarded(base, lambda: _compare(*base.values(), lambda **kw: bi_wkv(**kw, backend="triton"), bi_wkv_reference,
-                                                     wkv_inputs(B, T, C, device, precision), upstream)))
-    return checks
+        yield guarded(base, lambda: _compare(*base.values(), lambda **kw: bi_wkv(**kw, backend="triton"), bi_wkv_reference,
+                                             wkv_inputs(B, T, C, device, precision), upstream))
 
 
 def guarded(base: dict, measure) -> dict:
@@ -192,16 +192,15 @@ def device_copy(model: nn.Module, device: torch.device) -> nn.Module:
     return copy.deepcopy(model).to(device)
 
 
-def family_checks(device: torch.device, preset: str, size: int, batch: int, depth: int | None) -> list[dict]:
-    """Each family on `device` in fp32 and under bf16 autocast against the CPU in fp32, unrouted, same weights."""
-    checks = []
+def family_checks(device: torch.device, preset: str, size: int, batch: int, depth: int | None) -> Iterator[dict]:
+    """Each family on `device` in fp32 and under bf16 autocast against the CPU in fp32, unrouted, same weights;
+    one family's records at a time."""
     for family in FAMILIES:
         shape = f"{preset} {size}x{size}/2 batch {batch}"
         try:
-            checks += _family_check(family, device, preset, size, batch, depth, shape)
+            yield from _family_check(family, device, preset, size, batch, depth, shape)
         except Exception as err:  # noqa: BLE001 - one family that breaks is two rows of the report; the others run
-            checks += [failed({"family": family, "precision": p, "shape": shape}, err) for p in FAMILY_TOLERANCE]
-    return checks
+            yield from [failed({"family": family, "precision": p, "shape": shape}, err) for p in FAMILY_TOLERANCE]
 
 
 def _family_check(family: str, device: torch.device, preset: str, size: int, batch: int, depth: int | None, shape: str) -> list[dict]:

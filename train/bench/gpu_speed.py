@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 import tempfile
 from pathlib import Path
 
@@ -138,9 +139,10 @@ def scan_ideal_bytes(b: int, d: int, length: int, n: int, element: int) -> tuple
     return forward, forward + (5 * act + 4 * bc) * element + 2 * small  # read them and dy again; write their grads
 
 
-def kernel_rows(device: torch.device, scan_shape: tuple[int, ...], wkv_shape: tuple[int, ...], repeats: int, warmup: int) -> list[dict]:
+def kernel_rows(device: torch.device, scan_shape: tuple[int, ...], wkv_shape: tuple[int, ...], repeats: int, warmup: int) -> Iterator[dict]:
     """Triton kernel and the chunked PyTorch op, forward and forward+backward, interleaved, with the ideal bytes
-    against the card's bandwidth. Goals (issue 36, bf16): scan <= 0.6 ms, Bi-WKV <= 0.4 ms forward+backward."""
+    against the card's bandwidth, one row at a time. Goals (issue 36, bf16): scan <= 0.6 ms, Bi-WKV <= 0.4 ms
+    forward+backward."""
     from backbones.ops.cuda_kernels import scan_fn
     from backbones.ops.wkv import bi_wkv
 
@@ -158,14 +160,12 @@ def kernel_rows(device: torch.device, scan_shape: tuple[int, ...], wkv_shape: tu
                             0.4 if precision == "bf16" else None, lambda backend, **kw: bi_wkv(**kw, backend=backend),
                             wkv_ideal_bytes(B, T, C, _bytes(precision)), repeats, warmup, device)
 
-    rows = []
     b, d, length, n = scan_shape
     B, T, C = wkv_shape
     for precision in ("bf16", "fp32"):
-        rows.append(guarded({"kernel": "selective scan", "precision": precision, "shape": f"b{b} d{d} L{length} N{n}"},
-                            lambda: scan(precision)))
-        rows.append(guarded({"kernel": "Bi-WKV", "precision": precision, "shape": f"B{B} T{T} C{C}"}, lambda: wkv(precision)))
-    return rows
+        yield guarded({"kernel": "selective scan", "precision": precision, "shape": f"b{b} d{d} L{length} N{n}"},
+                      lambda: scan(precision))
+        yield guarded({"kernel": "Bi-WKV", "precision": precision, "shape": f"B{B} T{T} C{C}"}, lambda: wkv(precision))
 
 
 def _bytes(precision: str) -> int:

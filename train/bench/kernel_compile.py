@@ -15,6 +15,11 @@ Shapes fixed at compile time are the reference ones (the longest scan chunk, CHU
 CPP = 64 channels per backward program; WKV chunks of 16 tokens, combine groups of 16), the worst case for
 registers. Integer arguments are left unspecialised and pointers are 16-byte aligned, as torch allocates them.
 Set TRITON_INTERPRET=0 (or leave it unset): under the interpreter the kernels are Python, not compilable.
+
+The last columns read the SASS (`cuobjdump` from the wheel): instructions, exponentials (MUFU.EX2) and selects
+(FSEL). They show without a GPU whether a walk was unrolled and its row picks folded (backbones/ops/
+wkv_triton_walks.py `_PARTS`). `s` is the compile time, Triton's cache bypassed (TRITON_ALWAYS_COMPILE=1): what
+an autotuner pays per config on first use, on this machine's CPU.
 """
 
 from __future__ import annotations
@@ -99,7 +104,7 @@ def cases(dtypes: list[str], flag_sets: dict[str, dict], kernels: str = "") -> l
         if dtype == dtypes[0]:  # the combine walk reads only fp32 scratch, at the one launch config wkv uses
             for fields in (6, 10):
                 found.append(Case(f"wkv.combine{fields}", wkv._combine_kernel, "fp32 scratch",
-                                  dict(FIELDS=fields, BLOCK_T=16, BLOCK_C=32, GROUP=wkv._GROUP),
+                                  dict(FIELDS=fields, BLOCK_T=16, BLOCK_C=32, GROUP=wkv._GROUP, PARTS=wkv._GROUP_PARTS),
                                   dict(num_warps=1, num_stages=3, num_ctas=1), "fp32"))
     return [c for c in found if kernels in c.kernel]
 
@@ -128,6 +133,7 @@ class Row:
     shared: int = -1
     seconds: float = 0.0
     error: str = ""
+    sass: dict = None  # instruction counts: all, MUFU.EX2, FSEL
 
 
 def compile_case(case: Case, arch: int) -> Row:
@@ -141,6 +147,7 @@ def compile_case(case: Case, arch: int) -> Row:
     try:
         src = triton.compiler.ASTSource(fn=case.fn, signature=signature, constexprs=case.constexprs, attrs=attrs)
         kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(case.options))
+        compiled_s = time.perf_counter() - start
     except Exception as err:  # a compile failure is a result of this tool: report it in the table
         return Row(case, seconds=time.perf_counter() - start, error=f"{type(err).__name__}: {str(err).strip()[:300]}")
     # Triton does not keep ptxas's log; running ptxas again on the PTX with Triton's flags takes ~0.1 s.
@@ -151,14 +158,27 @@ def compile_case(case: Case, arch: int) -> Row:
         log = subprocess.run([get_ptxas(arch).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
                               f"--gpu-name={sm_arch_from_capability(arch)}", ptx, "-o", ptx + ".o"],
                              capture_output=True, text=True, check=True).stderr
+        sass = _sass_counts(get_ptxas(arch).path, kernel.asm["cubin"], tmp)
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     return Row(case, registers=int(regs.group(1)), spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)),
-               shared=kernel.metadata.shared, seconds=time.perf_counter() - start)
+               shared=kernel.metadata.shared, seconds=compiled_s, sass=sass)
+
+
+def _sass_counts(ptxas: str, cubin: bytes, tmp: str) -> dict:
+    """Instructions, exponentials and selects in the kernel's SASS, by the cuobjdump beside the wheel's ptxas."""
+    path = os.path.join(tmp, "kernel.cubin")
+    with open(path, "wb") as f:
+        f.write(cubin)
+    listing = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass", path], capture_output=True,
+                             text=True, check=True).stdout
+    code = [line for line in listing.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+    return {"all": len(code), "exp": sum("MUFU.EX2" in line for line in code), "sel": sum("FSEL" in line for line in code)}
 
 
 def table(rows: list[Row]) -> str:
-    head = f"{'kernel':<14} {'variant':<26} {'config':<18} {'regs':>5} {'spill st/ld (B)':>16} {'shared (B)':>11} {'s':>5}"
+    head = (f"{'kernel':<14} {'variant':<26} {'config':<18} {'regs':>5} {'spill st/ld (B)':>16} {'shared (B)':>11} {'s':>5} "
+            f"{'SASS':>6} {'exp':>5} {'sel':>5}")
     lines = [head, "-" * len(head)]
     for r in rows:
         c = r.case
@@ -167,7 +187,7 @@ def table(rows: list[Row]) -> str:
         else:
             spill = f"{r.spill_stores}/{r.spill_loads}"
             lines.append(f"{c.kernel:<14} {c.variant:<26} {c.config:<18} {r.registers:>5} {spill:>16} {r.shared:>11} "
-                         f"{r.seconds:>5.1f}")
+                         f"{r.seconds:>5.1f} {r.sass['all']:>6} {r.sass['exp']:>5} {r.sass['sel']:>5}")
     return "\n".join(lines)
 
 
@@ -187,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="scan flag sets: standard (none, model, all), every (all 16), or names from none,model,all")
     args = parser.parse_args(argv)
     check_environment()
+    os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # the seconds column is a compile, never a cache hit
     dtypes = args.dtypes.split(",")
     if bad := [d for d in dtypes if d not in DTYPES]:
         raise ConfigError(f"--dtypes: {bad[0]!r} is not one of {', '.join(DTYPES)}; pass e.g. --dtypes fp32,bf16")
