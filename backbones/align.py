@@ -104,27 +104,28 @@ class Alignment(nn.Module):
 
     def forward(self, y: torch.Tensor, labels: torch.Tensor | None = None, t: torch.Tensor | None = None,
                 noise: torch.Tensor | None = None, *, objective=None, ema: nn.Module | None = None,
-                u: torch.Tensor | None = None) -> torch.Tensor:
+                u: torch.Tensor | None = None, clean: torch.Tensor | None = None) -> torch.Tensor:
         """lambda * loss for the online forward just run (inside objective.loss on the same y, labels, t, noise).
 
         y: clean batch (B, C, H, W); objective, ema: for the EMA teacher, the objective (its `loss` forms the teacher's
         noisy input, its `name` the lower noise level) and the EMA's network (objective-wrapped, `.model` the
-        Backbone); u: (B,) uniforms in [0, 1) for the teacher's noise gap (from the step's seeded draws).
+        Backbone); u: (B,) uniforms in [0, 1) for the teacher's noise gap (from the step's seeded draws); clean: what
+        REPA's targets read instead of y, when y is not pixels (cached images or features beside latents).
         """
         if self.layer not in self.capture.hidden:
             raise RuntimeError("no hidden state was captured: call the alignment after the network's forward on this batch.")
         student = self.capture.hidden[self.layer]
         positions = self.capture.positions[self.layer]
         pred = self.projector(student)  # (B, K, D) -> (B, K, C)
-        target = self._target(y, labels, t, noise, positions, objective, ema, u)
+        target = self._target(y, labels, t, noise, positions, objective, ema, u, clean)
         self.capture.clear()
         return self.weight * self.loss_fn(pred.float(), target.float())
 
-    def _target(self, y, labels, t, noise, positions, objective, ema, u) -> torch.Tensor:
+    def _target(self, y, labels, t, noise, positions, objective, ema, u, clean=None) -> torch.Tensor:
         """(B, K, C) targets at the student's tokens, without gradient."""
         if self.mode == "repa":
             with torch.no_grad():
-                return gather_tokens(self.targets(y), positions)
+                return gather_tokens(self.targets(y if clean is None else clean), positions)
         if self.teacher == "online":
             hidden, held = self.capture.hidden[self.teacher_layer].detach(), self.capture.positions[self.teacher_layer]
             if held is None:

@@ -4,6 +4,9 @@
         --images /data/imagenet/train --out /data/latents/in256 --vae /weights/sd-vae-ft-ema --flip
 
 The encoding, its resumable shard layout and its statistics live in train/data/latent_cache.py.
+For align=repa on these latents (docs/alignment.md), store what its encoder needs beside each latent:
+--align-images 224 (the images, uint8; the encoder runs while training), or --align-encoder NAME
+--align-weights FILE [--align-input-size 224] (the encoder's patch features, fp16; no encoder while training).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Sequence
 from train.cli import ArgumentParser, bounded, existing, friendly_errors, output_folder
 from routing import ConfigError
 from train.data.images import list_images
-from train.data.latent_cache import DTYPES, CacheSettings, cache_latents
+from train.data.latent_cache import DTYPES, AlignInputs, CacheSettings, cache_latents
 from train.data.latents import DEFAULT_VAE
 
 
@@ -32,7 +35,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-workers", type=bounded(int, 0, 256, example="--num-workers 4"), default=4, help="image decoding workers per process")
     parser.add_argument("--storage-dtype", choices=("float16", "float32"), default="float16")
     parser.add_argument("--encode-dtype", choices=tuple(DTYPES), default="float32")
-    return parser.parse_args(argv)
+    parser.add_argument("--align-images", type=bounded(int, 8, 4096, example="--align-images 224"), default=0, metavar="SIZE",
+                        help="also store each image at SIZE pixels (uint8) for align=repa's encoder")
+    parser.add_argument("--align-encoder", default=None, metavar="NAME", help="also store this timm encoder's patch features (fp16) for align=repa")
+    parser.add_argument("--align-weights", default=None, type=existing("encoder weights"), metavar="PATH",
+                        help="local weights of --align-encoder (a .safetensors or .pth state dict, or a timm folder); never downloaded")
+    parser.add_argument("--align-input-size", type=bounded(int, 8, 4096, example="--align-input-size 224"), default=224, metavar="SIZE",
+                        help="pixels the encoder sees (default 224)")
+    args = parser.parse_args(argv)
+    if (args.align_encoder is None) != (args.align_weights is None):
+        parser.error("--align-encoder and --align-weights go together: name the timm encoder and its local weights file")
+    return args
+
+
+def align_inputs(args: argparse.Namespace) -> AlignInputs:
+    """What to store for align=repa; the encoder (if any) loads on each process's device once accelerate gives it."""
+    if args.align_encoder is None:
+        return AlignInputs(image_size=args.align_images)
+    from train.metrics.encoder import FrozenEncoder
+
+    weights = str(Path(args.align_weights).expanduser().resolve())
+
+    def load(device):
+        encoder = FrozenEncoder.load(args.align_encoder, weights, args.align_input_size, None, device)
+        return encoder, {"encoder": args.align_encoder, "weights": weights, "input_size": args.align_input_size,
+                         "grid": list(encoder.grid), "dim": encoder.dim}
+
+    return AlignInputs(image_size=args.align_images, load_encoder=load)
 
 
 def check_labels_file(images: Path, labels_file: Path) -> None:
@@ -51,7 +80,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     args = parse_args(argv)
     if args.labels_file and Path(args.images).expanduser().is_dir():
         check_labels_file(Path(args.images), Path(args.labels_file))
-    return cache_latents(CacheSettings(**{**vars(args), "out": str(args.out)}))
+    settings = {k: v for k, v in vars(args).items() if not k.startswith("align_")}
+    return cache_latents(CacheSettings(**{**settings, "out": str(args.out)}, align=align_inputs(args)))
 
 
 if __name__ == "__main__":

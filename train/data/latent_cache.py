@@ -19,7 +19,8 @@ from __future__ import annotations
 import json
 import math
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -37,10 +38,44 @@ from train.files import damaged, read_json, write_atomic
 
 FORMAT_VERSION = 1
 # Settings that must match between a run and the folder it resumes.
-_PLAN_KEYS = ("format_version", "images", "vae", "image_size", "flip", "shard_size", "num_files", "storage_dtype")
+_PLAN_KEYS = ("format_version", "images", "vae", "image_size", "flip", "shard_size", "num_files", "storage_dtype", "align")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # What PIL raises for truncated, corrupt or hostile files; any of them means "skip this image".
 _UNREADABLE = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+
+
+@dataclass
+class AlignInputs:
+    """What align=repa needs beside each latent, stored in the same shard row (docs/alignment.md): the image itself at
+    `image_size` pixels (uint8 `align_images`, for an encoder run at training time), and/or the frozen encoder's patch
+    features (fp16 `align_features`, on the encoder's own patch grid) from `encode`, which the command builds."""
+
+    image_size: int = 0
+    # device -> (encode, how): encode maps pixels (n, 3, H, W) in [-1, 1] on the device to (n, gh*gw, C) features; how
+    # records encoder, weights, input_size, grid and dim. Called once the process knows its device (`prepare`).
+    load_encoder: Callable | None = None
+    encode: Callable | None = None
+    features: dict = field(default_factory=dict)
+
+    def prepare(self, device: torch.device) -> None:
+        if self.load_encoder is not None and self.encode is None:
+            self.encode, self.features = self.load_encoder(device)
+
+    def plan(self) -> dict | None:
+        """meta.json's `align` (and the resume check's): what each shard holds, None for nothing."""
+        plan = ({"images": self.image_size} if self.image_size else {}) | ({"features": self.features} if self.encode else {})
+        return plan or None
+
+    def __call__(self, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {}
+        if self.image_size:
+            side = (self.image_size, self.image_size)
+            images = pixels if pixels.shape[-2:] == side else torch.nn.functional.interpolate(pixels.float(), size=side, mode="bicubic",
+                                                                                               align_corners=False, antialias=True)
+            out["align_images"] = ((images.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu()
+        if self.encode is not None:
+            out["align_features"] = self.encode(pixels).to(torch.float16).cpu()
+        return out
 
 
 @dataclass
@@ -58,6 +93,7 @@ class CacheSettings:
     num_workers: int = 4
     storage_dtype: str = "float16"
     encode_dtype: str = "float32"
+    align: AlignInputs = field(default_factory=AlignInputs)
 
 
 class _ImageFiles(Dataset):
@@ -138,6 +174,8 @@ def _encode_shards(args: CacheSettings, accelerator, vae, files, labels, shard_i
         total=sum(len(b) for b in batches), unit="img", desc="encode", disable=not accelerator.is_local_main_process
     )
     parts: dict[str, list] = {"mean": [], "std": [], "labels": [], "failed": []}
+    # Empty rows of each align tensor, for a shard whose every image is unreadable.
+    empty = {k: v[:0] for k, v in args.align(torch.zeros(1, 3, args.size, args.size, device=accelerator.device)).items()}
     skipped = 0
     for i, batch in enumerate(loader):
         k = batch_shard[i]
@@ -149,15 +187,19 @@ def _encode_shards(args: CacheSettings, accelerator, vae, files, labels, shard_i
             parts["mean"].append(posterior.mean.float().cpu())
             parts["std"].append(posterior.std.float().cpu())
             parts["labels"].append(label_ids[batch["indices"]].repeat_interleave(copies))
+            with torch.no_grad():
+                for name, rows in args.align(batch["images"].to(accelerator.device)).items():
+                    parts.setdefault(name, []).append(rows)
         progress.update(len(batches[i]))
         progress.set_postfix(skipped=skipped, shard=k)
         if i == last_batch[k]:
-            _finish_shard(out / shard_name(k), parts, vae, args.size, storage)
+            aligned = {name: torch.cat(parts.get(name) or [rows]) for name, rows in empty.items()}
+            _finish_shard(out / shard_name(k), parts, vae, args.size, storage, aligned)
             parts = {"mean": [], "std": [], "labels": [], "failed": []}
     progress.close()
 
 
-def _finish_shard(path: Path, parts: dict, vae, size: int, storage: torch.dtype) -> None:
+def _finish_shard(path: Path, parts: dict, vae, size: int, storage: torch.dtype, aligned: dict[str, torch.Tensor]) -> None:
     channels = vae.config.latent_channels
     if parts["mean"]:
         mean, std, labels = torch.cat(parts["mean"]), torch.cat(parts["std"]), torch.cat(parts["labels"])
@@ -179,7 +221,7 @@ def _finish_shard(path: Path, parts: dict, vae, size: int, storage: torch.dtype)
     # Flux's and SD3's VAEs also shift: their transformers see (z - shift_factor) * scaling_factor.
     metadata["shift_factor"] = repr(float(getattr(vae.config, "shift_factor", None) or 0.0))
     metadata["skipped"] = json.dumps(parts["failed"])
-    _write_shard(path, {"mean": mean, "std": std, "labels": labels}, metadata)
+    _write_shard(path, {"mean": mean, "std": std, "labels": labels, **aligned}, metadata)
 
 
 def _write_summary(out: Path, plan: dict, num_shards: int) -> dict:
@@ -235,6 +277,7 @@ def cache_latents(args: CacheSettings) -> dict | None:
     from accelerate import Accelerator
 
     accelerator = Accelerator()
+    args.align.prepare(accelerator.device)  # before the plan, which records the encoder's patch grid and width
     images, out = Path(args.images).expanduser().resolve(), Path(args.out).expanduser()
     if not images.is_dir():
         raise ConfigError(f"--images {args.images!r} is not a folder.")
@@ -256,6 +299,7 @@ def cache_latents(args: CacheSettings) -> dict | None:
         "storage_dtype": args.storage_dtype,
         "num_classes": len(class_names),
         "class_names": class_names,
+        "align": args.align.plan(),
     }
     _check_plan(out, plan)
 

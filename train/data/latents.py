@@ -34,7 +34,7 @@ DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
 NORMALIZE_MODES = ("standardize", "scale")
 
 # The safetensors dtypes a shard may use, as numpy dtypes (little-endian by the format's spec).
-_SAFETENSORS_DTYPES = {"F16": np.dtype("<f2"), "F32": np.dtype("<f4"), "I64": np.dtype("<i8")}
+_SAFETENSORS_DTYPES = {"F16": np.dtype("<f2"), "F32": np.dtype("<f4"), "I64": np.dtype("<i8"), "U8": np.dtype("u1")}
 
 
 def shard_name(index: int) -> str:
@@ -142,6 +142,8 @@ class LatentDataset:
         self.vae_path: str | None = vae or meta.vae
         self.normalize = normalize
         self.sigma_data = float(sigma_data)
+        # What align=repa reads beside each latent (train.cache_latents --align-images / --align-encoder), else {}.
+        self.align = dict(meta.align or {})
 
         # Check every shard's header now, so a missing or truncated shard fails at startup, not mid-run.
         self._files = [self.path / shard.file for shard in meta.entries]
@@ -182,11 +184,17 @@ class LatentDataset:
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise _data_error(self.path, f"shard {file.name} is corrupt ({error}); delete it") from error
         expected = {"mean": [count, *self.shape], "std": [count, *self.shape], "labels": [count]}
+        kinds = {"mean": ("F16", "F32"), "std": ("F16", "F32"), "labels": ("I64",)}
+        if "images" in self.align:
+            expected["align_images"], kinds["align_images"] = [count, 3, self.align["images"], self.align["images"]], ("U8",)
+        if "features" in self.align:
+            how = self.align["features"]
+            expected["align_features"] = [count, how["grid"][0] * how["grid"][1], how["dim"]]
+            kinds["align_features"] = ("F16",)
         for name, shape in expected.items():
             if name not in header or list(header[name]["shape"]) != shape:
                 raise _data_error(self.path, f"shard {file.name} is corrupt (tensor {name!r} is not {shape}); delete it")
         # Labels must be integers (float labels would be truncated), latents floats.
-        kinds = {"mean": ("F16", "F32"), "std": ("F16", "F32"), "labels": ("I64",)}
         for name, allowed in kinds.items():
             if header[name]["dtype"] not in allowed:
                 raise _data_error(self.path, f"shard {file.name} stores {name!r} as {header[name]['dtype']}, not "
@@ -234,6 +242,16 @@ class LatentDataset:
         eps = torch.randn(mean.shape, generator=generator, device=device)
         z = torch.from_numpy(mean).to(device) + torch.from_numpy(std).to(device) * eps
         return self.to_model_space(z), torch.from_numpy(labels).to(device)
+
+    def align_inputs(self, indices: torch.Tensor, kind: str) -> torch.Tensor:
+        """What align=repa reads for global indices (n,): kind "images", (n, 3, S, S) float32 in [-1, 1]; kind
+        "features", (n, gh*gw, C) float32 on the encoder's patch grid."""
+        flat = indices.detach().cpu().numpy().astype(np.int64)
+        shard_ids = np.searchsorted(self._starts, flat, side="right") - 1
+        local = flat - self._starts[shard_ids]
+        rows = [self._shard(int(k))[f"align_{kind}"][int(i)] for k, i in zip(shard_ids, local)]
+        out = torch.from_numpy(np.stack(rows).astype(np.float32))
+        return out / 127.5 - 1 if kind == "images" else out
 
     def to_model_space(self, z: torch.Tensor) -> torch.Tensor:
         """Unscaled VAE latents (n, C, h, w) -> model space."""

@@ -33,6 +33,9 @@ class LatentsMeta:
     scaling_factor: float = MISSING
     shift_factor: float = 0.0  # caches written before it was recorded: SD-VAE, 0
     vae: Optional[str] = None
+    # What train.cache_latents stored beside each latent for align=repa: {"images": side} and/or {"features":
+    # {encoder, weights, input_size, grid, dim}}; None when nothing was.
+    align: Optional[Dict[str, Any]] = None
     shards: List[Dict[str, Any]] = MISSING
     entries: List[Shard] = field(default_factory=list)  # `shards`, typed
 

@@ -8,7 +8,8 @@ from omegaconf import DictConfig
 from torch import nn
 
 from backbones.align import Alignment
-from train.metrics.encoder import FrozenEncoder
+from routing.errors import ConfigError
+from train.metrics.encoder import CachedFeatures, FrozenEncoder
 
 
 def align_name(cfg: DictConfig) -> str:
@@ -17,17 +18,39 @@ def align_name(cfg: DictConfig) -> str:
 
 
 def build_alignment(cfg: DictConfig, backbone: nn.Module, device: torch.device | str = "cpu",
-                    encoder_dtype: torch.dtype = torch.bfloat16) -> Alignment | None:
+                    encoder_dtype: torch.dtype = torch.bfloat16, dataset=None) -> Alignment | None:
     """The Alignment of cfg.align on `backbone` (hooks attached now), on `device`; None for align=none.
 
     REPA loads its encoder from the local weights (refusing a missing file, an unknown name, a patch grid that
-    cannot pool onto backbone.grid); self-alignment needs nothing but the backbone.
+    cannot pool onto backbone.grid), or on cached latents reads what the cache stored beside them (`source`, below);
+    self-alignment needs nothing but the backbone.
     """
     name = align_name(cfg)
     if name == "none":
         return None
     a = cfg.align
-    encoder = FrozenEncoder.load(a.encoder, a.weights, a.input_size, backbone.grid, device, encoder_dtype) if name == "repa" else None
-    alignment = Alignment(backbone, name, a.layer, weight=a.weight, width=a.projector_width, target_dim=encoder.dim if encoder else None,
-                          loss=a.get("loss"), teacher_layer=a.teacher_layer, teacher=a.teacher, teacher_gap=a.teacher_gap, targets=encoder)
+    targets, source = (_repa_targets(a, backbone, device, encoder_dtype, dataset) if name == "repa" else (None, None))
+    alignment = Alignment(backbone, name, a.layer, weight=a.weight, width=a.projector_width, target_dim=targets.dim if targets else None,
+                          loss=a.get("loss"), teacher_layer=a.teacher_layer, teacher=a.teacher, teacher_gap=a.teacher_gap, targets=targets)
+    alignment.source = source  # what the trainer hands over as `clean`: None (the batch is pixels), "images" or "features"
     return alignment.to(device)
+
+
+def _repa_targets(a: DictConfig, backbone: nn.Module, device, dtype, dataset) -> tuple:
+    """(targets, source): the encoder on the batch's pixels; on cached latents, the stored features (pooled, no encoder)
+    or the encoder on the stored images."""
+    cached = getattr(dataset, "align", None)
+    if cached is None:  # pixel data: the batch itself is the clean image
+        return FrozenEncoder.load(a.encoder, a.weights, a.input_size, backbone.grid, device, dtype), None
+    if "features" in cached:
+        how = cached["features"]
+        if how["encoder"] != a.encoder or how["input_size"] != a.input_size:
+            raise ConfigError(f"data.path holds {how['encoder']} features at {how['input_size']} pixels, but align.encoder={a.encoder} and "
+                              f"align.input_size={a.input_size}; set those to the cache's (align.encoder={how['encoder']} "
+                              f"align.input_size={how['input_size']}) or cache the features of this encoder.")
+        return CachedFeatures(how["grid"], how["dim"], backbone.grid, how["input_size"]), "features"
+    if "images" in cached:
+        return FrozenEncoder.load(a.encoder, a.weights, a.input_size, backbone.grid, device, dtype), "images"
+    raise ConfigError("align=repa encodes the clean images, but this latents folder holds neither them nor their encoder features; "
+                      "re-cache it with `python -m train.cache_latents ... --align-images 224` (or --align-encoder NAME --align-weights "
+                      "FILE) into a new --out folder, or use align=self.")

@@ -6,6 +6,8 @@ its timm name with a local weights file, or given as a local timm folder (config
 config may carry model_args); nothing is downloaded. Features are computed once per clean batch, without
 gradient, under bf16 autocast, and the patch grid is average-pooled onto the model's token grid, which it must
 cover a whole number of times per side (else the config is refused, naming an input size that fits).
+`train.cache_latents --align-encoder` stores the unpooled features beside latents (no token grid yet);
+`CachedFeatures` pools them at training time, the same way.
 """
 
 from __future__ import annotations
@@ -22,24 +24,27 @@ from routing.errors import ConfigError
 
 
 class FrozenEncoder:
-    """encoder(images) -> (B, h*w, C) float32 patch features, raster order on the model's (h, w) token grid.
+    """encoder(images) -> (B, h*w, C) float32 patch features, raster order on the model's (h, w) token grid (on the
+    encoder's own patch grid when token_grid is None: what a latents cache stores).
 
     Not an nn.Module on purpose: its weights are frozen inputs, never part of the trained or saved state.
     images: (B, C, H, W) in [-1, 1] (the datasets' pixel space), 1 or 3 channels.
     """
 
-    def __init__(self, model: torch.nn.Module, input_size: int, token_grid: tuple[int, int], dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, model: torch.nn.Module, input_size: int, token_grid: tuple[int, int] | None, dtype: torch.dtype = torch.bfloat16):
         self.model = model.eval().requires_grad_(False)
-        self.input_size, self.token_grid, self.dtype = int(input_size), tuple(token_grid), dtype
+        self.input_size, self.dtype = int(input_size), dtype
         data = resolve_model_data_config(model)
         self.in_chans = int(data["input_size"][0])
         self.mean = torch.tensor(data["mean"]).view(1, -1, 1, 1)  # (C,) -> (1, C, 1, 1)
         self.std = torch.tensor(data["std"]).view(1, -1, 1, 1)
         self.prefix = int(getattr(model, "num_prefix_tokens", 0))  # class and register tokens before the patches
         self.dim, self.grid = self._probe()
+        self.token_grid = self.grid if token_grid is None else tuple(token_grid)
+        check_pooling(self.grid, self.token_grid, f"align.input_size={self.input_size} gives the encoder", self.input_size)
 
     @classmethod
-    def load(cls, name: str, weights: str, input_size: int, token_grid: tuple[int, int], device: torch.device | str = "cpu",
+    def load(cls, name: str, weights: str, input_size: int, token_grid: tuple[int, int] | None, device: torch.device | str = "cpu",
              dtype: torch.dtype = torch.bfloat16) -> FrozenEncoder:
         """The encoder `name` with the local `weights` (a file, or a timm folder), refusing what cannot be used."""
         path = Path(str(weights)).expanduser()
@@ -64,7 +69,7 @@ class FrozenEncoder:
         return cls(model.to(device), input_size, token_grid, dtype)
 
     def _probe(self) -> tuple[int, tuple[int, int]]:
-        """(feature width, the encoder's patch grid) from one forward of a blank image; refuses a grid that cannot pool."""
+        """(feature width, the encoder's patch grid) from one forward of a blank image; refuses a non-square grid."""
         device = next(self.model.parameters()).device
         with torch.no_grad():
             out = self.model.forward_features(torch.zeros(1, self.in_chans, self.input_size, self.input_size, device=device))
@@ -79,14 +84,6 @@ class FrozenEncoder:
             if grid[0] * grid[1] != n:
                 raise ConfigError(f"align.encoder's {n} patch tokens form no square grid at align.input_size={self.input_size}; "
                                   "use a ViT-style encoder with a square patch grid.")
-        h, w = self.token_grid
-        if grid[0] % h or grid[1] % w:
-            patch = self.input_size / grid[0]
-            fit = int(round(patch * h)) if round(patch * h) * w == round(patch * w) * h else None
-            hint = f"e.g. align.input_size={fit}" if fit else "a square token grid"
-            raise ConfigError(f"align.input_size={self.input_size} gives the encoder a {grid[0]}x{grid[1]} patch grid, which does not pool "
-                              f"onto the model's {h}x{w} token grid (each side must be a whole multiple); choose an input size whose "
-                              f"patch grid is a multiple of {h}x{w} ({hint}).")
         return int(dim), (int(grid[0]), int(grid[1]))
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
@@ -108,9 +105,42 @@ class FrozenEncoder:
         with torch.autocast(x.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
             out = self.model.forward_features(x)
         out = out.float()
-        b, (gh, gw), (h, w) = out.shape[0], self.grid, self.token_grid
-        if out.ndim == 3:
-            out = out[:, self.prefix:].transpose(1, 2).reshape(b, self.dim, gh, gw)  # (B, P + gh*gw, C) -> (B, C, gh, gw)
-        if (gh, gw) != (h, w):
-            out = F.avg_pool2d(out, (gh // h, gw // w))  # (B, C, gh, gw) -> (B, C, h, w)
-        return out.flatten(2).transpose(1, 2)  # (B, C, h, w) -> (B, h*w, C)
+        if out.ndim == 4:
+            out = out.flatten(2).transpose(1, 2)  # a convolutional map (B, C, gh, gw) -> (B, gh*gw, C)
+        else:
+            out = out[:, self.prefix:]  # (B, P + gh*gw, C) -> (B, gh*gw, C)
+        return pool_tokens(out, self.grid, self.token_grid)
+
+
+class CachedFeatures:
+    """features(cached) -> (B, h*w, C) on the model's token grid: an encoder's patch features stored beside latents by
+    `train.cache_latents --align-encoder` (meta.json's align.features), pooled as FrozenEncoder pools its own."""
+
+    def __init__(self, grid: tuple[int, int], dim: int, token_grid: tuple[int, int], input_size: int):
+        self.grid, self.dim, self.token_grid = (int(grid[0]), int(grid[1])), int(dim), tuple(token_grid)
+        check_pooling(self.grid, self.token_grid, f"the cached features (--align-input-size {input_size}) have", input_size)
+
+    def __call__(self, features: torch.Tensor) -> torch.Tensor:
+        return pool_tokens(features.float(), self.grid, self.token_grid)
+
+
+def pool_tokens(features: torch.Tensor, grid: tuple[int, int], token_grid: tuple[int, int]) -> torch.Tensor:
+    """(B, gh*gw, C) patch features in raster order -> (B, h*w, C), each token the mean of the patches it covers."""
+    (gh, gw), (h, w) = grid, token_grid
+    if (gh, gw) == (h, w):
+        return features
+    b, _, c = features.shape
+    maps = features.transpose(1, 2).reshape(b, c, gh, gw)  # (B, gh*gw, C) -> (B, C, gh, gw)
+    pooled = F.avg_pool2d(maps, (gh // h, gw // w))  # (B, C, gh, gw) -> (B, C, h, w)
+    return pooled.flatten(2).transpose(1, 2)  # (B, C, h, w) -> (B, h*w, C)
+
+
+def check_pooling(grid: tuple[int, int], token_grid: tuple[int, int], what: str, input_size: int) -> None:
+    """Refuse a patch grid that does not cover the token grid a whole number of times per side, naming a size that fits."""
+    h, w = token_grid
+    if grid[0] % h or grid[1] % w:
+        patch = input_size / grid[0]
+        fit = int(round(patch * h)) if round(patch * h) * w == round(patch * w) * h else None
+        hint = f"e.g. align.input_size={fit}" if fit else "a square token grid"
+        raise ConfigError(f"{what} a {grid[0]}x{grid[1]} patch grid, which does not pool onto the model's {h}x{w} token grid (each "
+                          f"side must be a whole multiple); choose an input size whose patch grid is a multiple of {h}x{w} ({hint}).")

@@ -3,9 +3,10 @@
 One group for the three modes (configs/align/*.yaml set the keys each one reads; the others keep their defaults
 and are ignored). `check_align` refuses, in one sentence each: a block outside the stack, a self-alignment
 teacher block that is not after the student's or that sits in a route the student is not in (an online teacher
-there holds only the route's kept tokens), a missing encoder weights file, REPA on latents or on a fine-tuned
-pretrained model. lambda < 0 is the range check of `align.weight`. An encoder whose patch grid cannot pool onto
-the token grid is refused when the encoder is loaded (train/metrics/encoder.py), before training starts.
+there holds only the route's kept tokens), a missing encoder weights file (on pixel data), alignment on a fine-tuned
+pretrained model. lambda < 0 is the range check of `align.weight`. Refused when the encoder or the dataset is
+loaded, before training starts: a patch grid that cannot pool onto the token grid (train/metrics/encoder.py), and
+REPA on a latents folder without the images or features it needs (train/metrics/alignment.py).
 """
 
 from __future__ import annotations
@@ -71,10 +72,8 @@ def check_align(cfg: DictConfig) -> None:
 
 
 def _check_encoder(cfg: DictConfig, a: DictConfig) -> None:
-    data = (cfg.get("data") or {}).get("name")
-    if data == "latents":
-        raise ConfigError("align=repa encodes the clean images, but data=latents holds VAE latents; caching the images or their encoder "
-                          "features beside the latents is not built yet, so use align=self (it needs no encoder) or pixel data.")
+    if (cfg.get("data") or {}).get("name") == "latents":
+        return  # the folder's meta.json says what it holds (cached features need no weights); build_alignment checks it
     where = "put the encoder's weights (a .safetensors or .pth state dict of align.encoder, or a timm folder with config.json and model.safetensors) there"
     if a.weights is None:
         raise ConfigError(f"align=repa needs align.weights, local weights of {a.encoder} (nothing is downloaded): save them as a "

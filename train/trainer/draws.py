@@ -76,6 +76,15 @@ class Batches:
         device = self.acc.device
         return (None if keep is None else keep.to(device, non_blocking=True)), (None if weight is None else weight.to(device, non_blocking=True))
 
+    def _batch_clean(self, start: int) -> torch.Tensor | None:
+        """What REPA's encoder reads for the micro-batch at `start` when the batch is not pixels: the images or features
+        train.cache_latents stored beside the latents (align.source); None otherwise."""
+        source = None if self.align is None else self.acc.unwrap_model(self.align).source
+        if source is None:
+            return None
+        indices = self._global_indices(self.step)[start : start + self.micro_batch]
+        return self.dataset.align_inputs(indices, source).to(self.acc.device, non_blocking=True)
+
     def _force_kept(self, keep: torch.Tensor | None):
         """Within: every route of the network's forwards processes the tokens `keep` marks (the adapter holds the mask,
         since net(x, t, labels) carries none)."""

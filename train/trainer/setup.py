@@ -116,7 +116,7 @@ class SetUp:
         if align_name(cfg) != "none" and self.acc.is_fsdp2:
             raise ConfigError(f"align={align_name(cfg)} is not wired under trainer.distributed=fsdp yet (the projector would not be "
                               "sharded with the model); train it under DDP (drop trainer.distributed=fsdp) or set align=none.")
-        self.align = build_alignment(cfg, self.backbone, self.acc.device)
+        self.align = build_alignment(cfg, self.backbone, self.acc.device, dataset=self.dataset)
         self.micro_batch = t.batch_size // (self.acc.num_processes * t.grad_accum)
         self.objective = objective_for(cfg)
         # Fine-tuning may shift the training draws towards noise (SD3's fixed shift, Flux's per resolution); None: unshifted.

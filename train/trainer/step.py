@@ -72,7 +72,7 @@ class Step:
                     if self.align is not None:
                         # lambda x the alignment loss of the forward just run (its hooks hold the aligned block's state)
                         aligned = self.align(y, labels, t_all[part], noise_all[part], objective=self.objective,
-                                             ema=getattr(self.ema, "module", None), u=u_all[part])
+                                             ema=getattr(self.ema, "module", None), u=u_all[part], clean=self._batch_clean(start))
                         loss = loss + aligned
                         aux = {**aux, "align": aligned}  # logged beside the MoE losses
                 acc.backward(loss)
