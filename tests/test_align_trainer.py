@@ -67,10 +67,10 @@ def test_alignment_off_trains_exactly_as_before(tmp_path):
 # Two steps through `python -m train`
 
 
-def _two_steps(tmp_path: Path, family: str, recipe: str, mode: str, folder: Path) -> None:
+def _two_steps(tmp_path: Path, family: str, recipe: str, mode: str, folder: Path, *extra: str) -> None:
     run = tmp_path / "run"
     out = run_cli("train", *FAST, *TINY, f"backbone={family}", f"routing={recipe}", *mode_args(mode, folder),
-                  "trainer.ckpt_every=2", f"run_dir={run}")
+                  "trainer.ckpt_every=2", f"run_dir={run}", *extra)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = metrics(run)
     assert [line["step"] for line in lines] == [1, 2]
@@ -85,6 +85,12 @@ def _two_steps(tmp_path: Path, family: str, recipe: str, mode: str, folder: Path
 @pytest.mark.parametrize("mode", ["self", "repa"])
 def test_alignment_trains_two_steps_through_the_cli(tmp_path, vit_folder, mode):
     _two_steps(tmp_path, "dit", "random", mode, vit_folder)
+
+
+@pytest.mark.parametrize("mode", ["self", "repa"])
+def test_alignment_trains_under_the_flow_objective(tmp_path, vit_folder, mode):
+    """Rectified flow: the EMA teacher's lower noise level is flow time t - gap * u (teacher_time)."""
+    _two_steps(tmp_path, "dit", "sprint", mode, vit_folder, "objective=flow")
 
 
 MATRIX = [(f, r, m) for f in FAMILIES for r in ("none", "tread", "sprint") for m in ("repa", "self")]
