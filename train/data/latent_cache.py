@@ -70,9 +70,10 @@ class AlignInputs:
         out = {}
         if self.image_size:
             side = (self.image_size, self.image_size)
-            images = pixels if pixels.shape[-2:] == side else torch.nn.functional.interpolate(pixels.float(), size=side, mode="bicubic",
-                                                                                               align_corners=False, antialias=True)
-            out["align_images"] = ((images.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu()
+            images = pixels.float()
+            if images.shape[-2:] != side:  # (n, 3, H, W) -> (n, 3, S, S)
+                images = torch.nn.functional.interpolate(images, size=side, mode="bicubic", align_corners=False, antialias=True)
+            out["align_images"] = ((images + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu()
         if self.encode is not None:
             out["align_features"] = self.encode(pixels).to(torch.float16).cpu()
         return out
