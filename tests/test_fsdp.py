@@ -127,3 +127,30 @@ def test_fsdp_fine_tunes_wan_with_lora_and_gathers_an_adapter_only_checkpoint_eq
         one, two = tensors(tmp_path / "one", 2, name), tensors(tmp_path / "fsdp", 2, name)
         assert all(".lora_" in k for k in two)
         assert_close(two, one)
+
+
+@pytest.mark.slow
+def test_fsdp_with_alignment_equals_one_process_and_resumes_across_them(tmp_path):
+    """align=self with the online teacher under FSDP: the projector is sharded beside the blocks (AdamW's second group),
+    and two processes resumed from one process's step 2 give its losses, alignment losses, projector and AdamW state;
+    one process then resumes the FSDP checkpoint (about 1 min on 2 cores)."""
+    aligned = [*ROUTED, "align=self", "align.teacher=online", "align.teacher_layer=-1", "align.projector_width=16"]
+    one = tmp_path / "one"
+    Trainer(compose_cfg(*aligned, "trainer.max_steps=5", f"run_dir={one}")).fit()
+    sharded = tmp_path / "fsdp"
+    (sharded / "checkpoints").mkdir(parents=True)
+    shutil.copytree(one / "checkpoints" / "step_0000002", sharded / "checkpoints" / "step_0000002")
+    (sharded / "checkpoints" / "latest").write_text("step_0000002")
+    result = launch_fsdp(*aligned, "trainer.max_steps=4", f"run_dir={sharded}", "resume=true")
+    assert result.returncode == 0, result.stderr[-3000:]
+    logged = {name: {line["step"]: line for line in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+              for name, run in (("one", one), ("fsdp", sharded))}
+    for step in (3, 4):
+        for key in ("loss", "align"):
+            assert logged["fsdp"][step][key] == pytest.approx(logged["one"][step][key], rel=1e-5)
+    for name in ("model", "align"):
+        assert_close(tensors(sharded, 4, name), tensors(one, 4, name))
+    saved = torch.load(sharded / "checkpoints" / "step_0000004" / "optimizer.pt", weights_only=False)
+    assert saved["optimizer_keys"] == "names" and "align.projector.0.weight" in saved["optimizer"]["state"]
+    Trainer(compose_cfg(*aligned, "trainer.max_steps=5", f"run_dir={sharded}", "resume=true")).fit()
+    assert losses(sharded)[5] == pytest.approx(losses(one)[5], rel=1e-5)

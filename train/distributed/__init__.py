@@ -11,7 +11,10 @@ from train.distributed.fsdp import (
     optimizer_from_names,
     shard_blocks,
     shard_optimizer_state,
+    shard_projector,
+    trained_modules,
 )
 
 __all__ = ["ShardedEma", "copy_into_shards", "fsdp_accelerator", "full_tensors", "is_sharded", "optimizer_by_name",
-           "optimizer_from_names", "shard_blocks", "shard_optimizer_state"]
+           "optimizer_from_names", "shard_blocks", "shard_optimizer_state", "shard_projector",
+           "trained_modules"]

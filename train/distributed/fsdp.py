@@ -7,6 +7,7 @@ parameter, gradient and AdamW state, and all-gathers one block's weights at a ti
   so there the same switch is made by hand: the rest is accelerate's own path (fully_shard, DTensor parameters,
   gradient clipping, reduces).
 - `shard_blocks(accelerator, classes)`: the block classes that become units, set before `prepare`.
+- `shard_projector(align, optimizer)`: the alignment projector as one more unit, joining AdamW after `prepare`.
 - `full_tensors(state, keep)`: a state dict of sharded DTensors gathered tensor by tensor into full CPU tensors, kept
   on the main process only, so peak memory is one full tensor per process. A collective: every process calls it,
   with the same keys in the same order.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from routing.errors import ConfigError
@@ -47,6 +49,28 @@ def shard_blocks(accelerator: Accelerator, classes: list[str]) -> None:
         raise ConfigError("trainer.distributed=fsdp shards the model over processes, but this run has one process; launch it "
                           "with `accelerate launch --multi_gpu --num_processes N -m train ...` (N >= 2).")
     accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = sorted(set(classes))
+
+
+def shard_projector(align: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Shard the alignment projector over the processes (its own FSDP unit) and add it to AdamW as the second group,
+    as the unsharded run has it. Done after accelerate's `prepare`, which shards one model and would refuse an
+    optimizer parameter that is not that model's."""
+    fully_shard(align)
+    optimizer.add_param_group({"params": list(align.parameters())})
+
+
+def trained_modules(net: torch.nn.Module, align: torch.nn.Module | None) -> torch.nn.Module:
+    """One module whose parameter names are AdamW's names in a full optimizer state dict: the network's own, then the
+    alignment projector's under `align.` (its second group); the network itself without alignment."""
+    if align is None:
+        return net
+    if next(net.parameters(recurse=False), None) is not None:
+        raise ValueError("the network holds parameters of its own; the joined names would miss them")
+    joined = torch.nn.Module()
+    for name, child in net.named_children():
+        joined.add_module(name, child)
+    joined.add_module("align", align)
+    return joined
 
 
 def is_sharded(tensors) -> bool:

@@ -128,7 +128,7 @@ class Loop:
                 ema = self.acc.unwrap_model(self.net) if sharded else self.ema.module
                 save_checkpoint(ckpt_root, self.step, self.acc.unwrap_model(self.net), ema,
                                 self.optimizer, self.cfg, keep=self.cfg.trainer.keep_checkpoints, gathered=gathered,
-                                align=None if self.align is None else self.acc.unwrap_model(self.align).state_dict())
+                                align=self._align_state(gathered))
         except NonFiniteWeights as err:
             good = self._good_checkpoint()
             self._release_run_dir()
@@ -144,15 +144,22 @@ class Loop:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         from train.checkpoint import trained_views
-        from train.distributed import full_tensors
+        from train.distributed import full_tensors, trained_modules
 
         net, main = self.acc.unwrap_model(self.net), self.acc.is_main_process
         model = full_tensors(trained_views(net, self.cfg), main)
         with self._ema_net() as ema:
             ema_state = full_tensors(trained_views(ema, self.cfg), main)
-        optimizer = get_optimizer_state_dict(net, self.optimizer.optimizer,
+        optimizer = get_optimizer_state_dict(trained_modules(net, self.align), self.optimizer.optimizer,
                                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return {"model": model, "ema": ema_state, "optimizer": optimizer}
+        align = {} if self.align is None else {"align": full_tensors(self.align.state_dict(), main)}
+        return {"model": model, "ema": ema_state, "optimizer": optimizer, **align}
+
+    def _align_state(self, gathered: dict | None) -> dict | None:
+        """The projector's full state (align=repa|self) for the checkpoint; None without alignment."""
+        if self.align is None:
+            return None
+        return gathered["align"] if gathered is not None else self.acc.unwrap_model(self.align).state_dict()
 
     def sample_grid(self) -> Path | None:
         """EMA samples with fixed seed and labels, so grids are comparable across steps."""

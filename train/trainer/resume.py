@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from routing import ConfigError
 from train.checkpoint import latest_checkpoint, load_checkpoint, load_trained_state
-from train.distributed import optimizer_from_names, shard_optimizer_state
+from train.distributed import copy_into_shards, optimizer_from_names, shard_optimizer_state, trained_modules
 from train.metrics.alignment import align_name
 from train.trainer.changes import Changes, classify, refusal
 
@@ -41,8 +41,12 @@ class Resume:
         except RuntimeError as err:
             detail = " ".join(str(err).split())[:400]  # the state-dict keys that did not fit, on one line
             raise ConfigError(f"checkpoint '{path}' does not fit this model ({detail}); resume with the config it was trained with.") from err
-        if self.align is not None:
-            self.acc.unwrap_model(self.align).load_state_dict(state["align"])  # the projector (align=repa|self)
+        if self.align is not None:  # the projector (align=repa|self); under FSDP into its shards
+            align = self.acc.unwrap_model(self.align)
+            if self.acc.is_fsdp2:
+                copy_into_shards(align.state_dict(), state["align"])
+            else:
+                align.load_state_dict(state["align"])
         try:
             self._load_optimizer(state)
         except (KeyError, ValueError, TypeError) as err:
@@ -56,7 +60,9 @@ class Resume:
     def _load_optimizer(self, state: dict) -> None:
         """AdamW's state from a checkpoint, keyed by position (one process, DDP) or by parameter name (FSDP's full state
         dict): either kind resumes either way."""
-        trained = [(n, p) for n, p in self.acc.unwrap_model(self.net).named_parameters() if p.requires_grad]  # its order
+        # AdamW's order: the network's trained parameters, then the projector's (align.*), its second group.
+        joined = trained_modules(self.acc.unwrap_model(self.net), None if self.align is None else self.acc.unwrap_model(self.align))
+        trained = [(n, p) for n, p in joined.named_parameters() if p.requires_grad]
         saved = state["optimizer"]
         if state.get("optimizer_keys") == "names":
             saved = optimizer_from_names(saved, [n for n, _ in trained])

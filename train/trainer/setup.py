@@ -25,7 +25,7 @@ from train.data import build_dataset
 from train.data.prefetch import Prefetcher
 from train.data.prompts import check_table
 from train.data.validation_prompts import check_validation_prompts, encode_validation
-from train.distributed import ShardedEma, shard_blocks
+from train.distributed import ShardedEma, shard_blocks, shard_projector
 from train.files import read_metrics
 from train.logger import MetricsLogger
 from train.metrics.alignment import align_name, build_alignment
@@ -113,9 +113,6 @@ class SetUp:
         self.backbone = net.model
         # Representation alignment (align=repa|self; None for none): hooks on the blocks now, before the EMA copy and any
         # compiling; the projector trains beside the model but is never part of it (docs/alignment.md).
-        if align_name(cfg) != "none" and self.acc.is_fsdp2:
-            raise ConfigError(f"align={align_name(cfg)} is not wired under trainer.distributed=fsdp yet (the projector would not be "
-                              "sharded with the model); train it under DDP (drop trainer.distributed=fsdp) or set align=none.")
         self.align = build_alignment(cfg, self.backbone, self.acc.device, dataset=self.dataset)
         self.micro_batch = t.batch_size // (self.acc.num_processes * t.grad_accum)
         self.objective = objective_for(cfg)
@@ -125,14 +122,19 @@ class SetUp:
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # fp32 matmuls on tensor cores
         # Fused AdamW: one launch for every parameter, and `found_inf`, which lets the divergence guard skip a step
         # on the device (guard.py). Only trained parameters (all from scratch; the LoRA when fine-tuning) get state.
-        trained = [p for p in net.parameters() if p.requires_grad] + (list(self.align.parameters()) if self.align else [])
-        optimizer = torch.optim.AdamW(trained, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, fused=True)
+        # The projector (align=repa|self) is a second group: under FSDP it joins after accelerate has switched the model's
+        # parameters to their shards (accelerate's FSDP2 prepares one model), and checkpoints of either kind then agree.
         sharded = self.acc.is_fsdp2
+        groups = [{"params": [p for p in net.parameters() if p.requires_grad]}]
+        groups += [{"params": list(self.align.parameters())}] if self.align is not None and not sharded else []
+        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, fused=True)
         self.ema = None if sharded else build_ema(cfg, net, self.acc.device)
         if sharded:
             shard_blocks(self.acc, [type(block).__name__ for block in routed_blocks(net)])  # one FSDP unit per block
         self.net, self.optimizer = self.acc.prepare(net, optimizer)
-        if self.align is not None:
+        if self.align is not None and sharded:
+            shard_projector(self.align, self.optimizer.optimizer)  # sharded as the blocks are, its gradients reduce-scattered
+        elif self.align is not None:
             self.align = self.acc.prepare(self.align)  # DDP all-reduces the projector's gradients
         if sharded:
             self.ema = ShardedEma(self.net, t.ema_decay, t.ema_warmup)  # sharded as the model is
