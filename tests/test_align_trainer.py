@@ -105,6 +105,25 @@ def test_every_family_and_recipe_trains_with_alignment(tmp_path, vit_folder, fam
 # Checkpoints, resume, exports
 
 
+def test_a_checkpoint_with_the_projector_in_the_models_adam_group_resumes_exactly(tmp_path):
+    """Aligned checkpoints written before the projector became AdamW's second group (one group for both) resume, and
+    continue exactly as an uninterrupted run."""
+    common = [*FAST, *TINY, "routing=random", "align=self", "trainer.ckpt_every=2"]
+    Trainer(compose_cfg(*common, "trainer.max_steps=3", f"run_dir={tmp_path / 'straight'}")).fit()
+    Trainer(compose_cfg(*common, "trainer.max_steps=2", f"run_dir={tmp_path / 'old'}")).fit()
+    path = tmp_path / "old" / "checkpoints" / "step_0000002" / "optimizer.pt"
+    saved = torch.load(path, weights_only=False)
+    model, projector = saved["optimizer"]["param_groups"]
+    saved["optimizer"]["param_groups"] = [{**model, "params": model["params"] + projector["params"]}]  # the old layout
+    torch.save(saved, path)
+    state = json.loads((path.parent / "state.json").read_text())
+    state["sha256"].pop("optimizer.pt")  # rewritten on purpose: no digest to check
+    (path.parent / "state.json").write_text(json.dumps(state))
+    Trainer(compose_cfg(*common, "trainer.max_steps=3", f"run_dir={tmp_path / 'old'}", "resume=true")).fit()
+    (last,), (want,) = metrics(tmp_path / "old")[-1:], metrics(tmp_path / "straight")[-1:]
+    assert (last["step"], last["loss"], last["align"]) == (want["step"], want["loss"], want["align"])
+
+
 def test_alignment_resumes_exactly_and_stays_out_of_the_model(tmp_path):
     """4 steps straight equal 2 steps, then a resume to 4 (losses, alignment losses, projector); the checkpoint's model
     and EMA hold exactly the tensors of an align=none run, and load_run gives a model without the projector."""

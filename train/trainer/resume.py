@@ -66,6 +66,12 @@ class Resume:
         saved = state["optimizer"]
         if state.get("optimizer_keys") == "names":
             saved = optimizer_from_names(saved, [n for n, _ in trained])
+        groups = self.optimizer.param_groups
+        if len(saved["param_groups"]) == 1 and len(groups) == 2:
+            # Aligned runs saved before the projector was AdamW's second group (2026-11-26): split that one group.
+            (group,) = saved["param_groups"]
+            first = len(groups[0]["params"])
+            saved = {**saved, "param_groups": [{**group, "params": group["params"][:first]}, {**group, "params": group["params"][first:]}]}
         if self.acc.is_fsdp2:
             saved = shard_optimizer_state(saved, [p for _, p in trained])
         self.optimizer.load_state_dict(saved)
