@@ -46,20 +46,23 @@ def launch_fsdp(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def test_fsdp_on_two_processes_equals_one_process_and_checkpoints_resume_across_them(tmp_path):
-    # With a route on: a sample's route is drawn from (seed, step, its index), so the split into processes changes
-    # nothing, and the bound docs/finetuning.md states (losses relative 1e-5, weights and EMA 1e-5) holds routed.
-    # One process, 5 steps: the reference (checkpoints at 2 and 4).
-    one = tmp_path / "one"
-    Trainer(compose_cfg(*ROUTED, "trainer.max_steps=5", f"run_dir={one}")).fit()
-
-    # FSDP on 2 processes resumes the one-process checkpoint of step 2 (positional AdamW state) and trains to step 4.
-    sharded = tmp_path / "fsdp"
+def one_then_fsdp(tmp_path: Path, args: list[str], *fsdp_args: str) -> tuple[Path, Path, subprocess.CompletedProcess]:
+    """One process trains 5 steps, the reference (checkpoints at 2 and 4); FSDP on 2 processes resumes its checkpoint of
+    step 2 (positional AdamW state) and trains to step 4. Returns both run folders and the FSDP launch."""
+    one, sharded = tmp_path / "one", tmp_path / "fsdp"
+    Trainer(compose_cfg(*args, "trainer.max_steps=5", f"run_dir={one}")).fit()
     (sharded / "checkpoints").mkdir(parents=True)
     shutil.copytree(one / "checkpoints" / "step_0000002", sharded / "checkpoints" / "step_0000002")
     (sharded / "checkpoints" / "latest").write_text("step_0000002")
-    result = launch_fsdp(*ROUTED, "trainer.max_steps=4", "trainer.sample_every=4", f"run_dir={sharded}", "resume=true")
+    result = launch_fsdp(*args, "trainer.max_steps=4", *fsdp_args, f"run_dir={sharded}", "resume=true")
     assert result.returncode == 0, result.stderr[-3000:]
+    return one, sharded, result
+
+
+def test_fsdp_on_two_processes_equals_one_process_and_checkpoints_resume_across_them(tmp_path):
+    # With a route on: a sample's route is drawn from (seed, step, its index), so the split into processes changes
+    # nothing, and the bound docs/finetuning.md states (losses relative 1e-5, weights and EMA 1e-5) holds routed.
+    one, sharded, result = one_then_fsdp(tmp_path, ROUTED, "trainer.sample_every=4")
     assert "2 process(es)" in result.stdout and "resumed from" in result.stdout
     for step in (3, 4):
         assert losses(sharded)[step] == pytest.approx(losses(one)[step], rel=1e-5)
@@ -135,14 +138,7 @@ def test_fsdp_with_alignment_equals_one_process_and_resumes_across_them(tmp_path
     and two processes resumed from one process's step 2 give its losses, alignment losses, projector and AdamW state;
     one process then resumes the FSDP checkpoint (about 1 min on 2 cores)."""
     aligned = [*ROUTED, "align=self", "align.teacher=online", "align.teacher_layer=-1", "align.projector_width=16"]
-    one = tmp_path / "one"
-    Trainer(compose_cfg(*aligned, "trainer.max_steps=5", f"run_dir={one}")).fit()
-    sharded = tmp_path / "fsdp"
-    (sharded / "checkpoints").mkdir(parents=True)
-    shutil.copytree(one / "checkpoints" / "step_0000002", sharded / "checkpoints" / "step_0000002")
-    (sharded / "checkpoints" / "latest").write_text("step_0000002")
-    result = launch_fsdp(*aligned, "trainer.max_steps=4", f"run_dir={sharded}", "resume=true")
-    assert result.returncode == 0, result.stderr[-3000:]
+    one, sharded, _ = one_then_fsdp(tmp_path, aligned)
     logged = {name: {line["step"]: line for line in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
               for name, run in (("one", one), ("fsdp", sharded))}
     for step in (3, 4):
