@@ -19,7 +19,7 @@ from train.data.images import center_crop_resize
 from train.metrics.encoder import CachedFeatures, FrozenEncoder
 from train.trainer import Trainer
 
-from conftest import FAST, compose_cfg
+from conftest import FAST, compose_cfg, run_cli
 from test_align import vit_folder as tiny_vit_folder  # noqa: F401  (a fixture)
 from test_latents import CLASSES, IMAGE_SIZE, cache_args, make_images, make_vae
 
@@ -109,3 +109,10 @@ def test_repa_on_latents_without_what_it_needs_is_one_sentence(folders, tmp_path
         Trainer(compose_cfg(*common, f"data.path={plain}"))
     with pytest.raises(ConfigError, match=r"data.path holds vit_tiny_patch16_224 features at 32 pixels, but align.encoder=vit_small"):
         Trainer(compose_cfg(*common, f"data.path={folders['both']}", "align.encoder=vit_small_patch16_224"))
+
+
+def test_an_encoder_without_its_weights_is_one_sentence(folders, tmp_path):
+    out = run_cli("train.cache_latents", *cache_args(folders["images"], tmp_path / "out", folders["vae"], "--align-encoder", ENCODER))
+    assert out.returncode == 2 and not (tmp_path / "out").exists()
+    assert out.stderr.strip().splitlines() == ["error: python -m train.cache_latents: --align-encoder and --align-weights go together: "
+                                               "name the timm encoder and its local weights file; see python -m train.cache_latents --help."]

@@ -216,11 +216,7 @@ class LatentDataset:
 
     def get(self, indices: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Latents x (n, C, h, w) float32 in model space and labels (n,) int64 for global indices (n,)."""
-        flat = indices.detach().cpu().numpy().astype(np.int64)
-        if flat.size and (flat.min() < 0 or flat.max() >= self._length):
-            raise IndexError(f"latent index out of range [0, {self._length})")
-        shard_ids = np.searchsorted(self._starts, flat, side="right") - 1
-        local = flat - self._starts[shard_ids]
+        flat, shard_ids, local = self._locate(indices)
 
         # Gather posterior rows shard by shard, in sorted order so memmap reads go forward.
         mean = np.empty((flat.size, *self.shape), dtype=np.float32)
@@ -243,12 +239,18 @@ class LatentDataset:
         z = torch.from_numpy(mean).to(device) + torch.from_numpy(std).to(device) * eps
         return self.to_model_space(z), torch.from_numpy(labels).to(device)
 
+    def _locate(self, indices: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Global indices (n,) -> (them as int64, their shard ids, their rows within those shards)."""
+        flat = indices.detach().cpu().numpy().astype(np.int64)
+        if flat.size and (flat.min() < 0 or flat.max() >= self._length):
+            raise IndexError(f"latent index out of range [0, {self._length})")
+        shard_ids = np.searchsorted(self._starts, flat, side="right") - 1
+        return flat, shard_ids, flat - self._starts[shard_ids]
+
     def align_inputs(self, indices: torch.Tensor, kind: str) -> torch.Tensor:
         """What align=repa reads for global indices (n,): kind "images", (n, 3, S, S) float32 in [-1, 1]; kind
         "features", (n, gh*gw, C) float32 on the encoder's patch grid."""
-        flat = indices.detach().cpu().numpy().astype(np.int64)
-        shard_ids = np.searchsorted(self._starts, flat, side="right") - 1
-        local = flat - self._starts[shard_ids]
+        _, shard_ids, local = self._locate(indices)
         rows = [self._shard(int(k))[f"align_{kind}"][int(i)] for k, i in zip(shard_ids, local)]
         out = torch.from_numpy(np.stack(rows).astype(np.float32))
         return out / 127.5 - 1 if kind == "images" else out
