@@ -126,25 +126,24 @@ def official(s: Settings) -> dict:
 
 
 def sections(s: Settings) -> list[Section]:
-    """Every section in order of importance, with a guess of its time on one H100. The first H100 run
-    (docs/gpu/h100-2026-11-26) stopped `kernels` at 90 s, `families` at 140 s, `kernel-speed` at 186 s and `rwkv-S` at
-    242 s, all in Triton compiles of Bi-WKV that now take a quarter of that; the first complete report's section times
-    should replace these."""
+    """Every section in order of importance, with its time on one H100 (compiles included). kernels, families,
+    kernel-speed, rwkv-S, mamba-S and dit-S are their times in docs/gpu/h100-2026-11-26b; the DiT-XL/2, DiT-B/2,
+    official and trainer sections have not run yet, so theirs are dit-S's compile plus their timing, guessed."""
     return [
-        Section("kernels", "Triton kernels against their references", "kernel_checks", 60, partial(kernel_checks, s)),
-        Section("families", "every family on the device against the CPU", "family_checks", 60, partial(family_checks, s)),
-        Section("kernel-speed", "kernels at their reference shapes", "kernel_speed", 60, partial(kernel_speed, s)),
-        Section("rwkv-S", "RWKV-S/2, rows, batch 64", "steps", 120, partial(step, s, "rwkv", "S", "rows", 64)),
-        Section("mamba-S", "Mamba-S/2, rows, batch 64", "steps", 90, partial(step, s, "mamba", "S", "rows", 64)),
-        Section("dit-S", "DiT-S/2, TREAD, batch 64 (the scan families' MFU reference)", "steps", 30, partial(step, s, "dit", "S", "random", 64)),
-        Section("dit-XL-tread", "DiT-XL/2, TREAD, batch 64", "steps", 50, partial(step, s, "dit", "XL", "random", 64)),
-        *([Section("dit-XL-official", "DiT-XL/2, TREAD, batch 64, beside CompVis/tread's DiT", "official", 120,
+        Section("kernels", "Triton kernels against their references", "kernel_checks", 90, partial(kernel_checks, s)),
+        Section("families", "every family on the device against the CPU", "family_checks", 15, partial(family_checks, s)),
+        Section("kernel-speed", "kernels at their reference shapes", "kernel_speed", 95, partial(kernel_speed, s)),
+        Section("rwkv-S", "RWKV-S/2, rows, batch 64", "steps", 200, partial(step, s, "rwkv", "S", "rows", 64)),
+        Section("mamba-S", "Mamba-S/2, rows, batch 64", "steps", 135, partial(step, s, "mamba", "S", "rows", 64)),
+        Section("dit-S", "DiT-S/2, TREAD, batch 64 (the scan families' MFU reference)", "steps", 60, partial(step, s, "dit", "S", "random", 64)),
+        Section("dit-XL-tread", "DiT-XL/2, TREAD, batch 64", "steps", 90, partial(step, s, "dit", "XL", "random", 64)),
+        *([Section("dit-XL-official", "DiT-XL/2, TREAD, batch 64, beside CompVis/tread's DiT", "official", 180,
                    partial(official, s))] if s.tread else []),
-        Section("dit-XL-sprint", "DiT-XL/2, SPRINT, batch 64", "steps", 50, partial(step, s, "dit", "XL", "sprint", 64)),
-        Section("dit-B-tread", "DiT-B/2, TREAD, batch 128, 32x32x3", "steps", 30, partial(step, s, "dit", "B", "random", 128, 3)),
+        Section("dit-XL-sprint", "DiT-XL/2, SPRINT, batch 64", "steps", 90, partial(step, s, "dit", "XL", "sprint", 64)),
+        Section("dit-B-tread", "DiT-B/2, TREAD, batch 128, 32x32x3", "steps", 60, partial(step, s, "dit", "B", "random", 128, 3)),
         Section("trainer", "python -m train against the bare step (DiT-B/2, batch 128)", "trainer", 60, partial(trainer, s),
                 needs_remaining=True),
-        Section("dit-B-sprint", "DiT-B/2, SPRINT, batch 128, 32x32x3", "steps", 30, partial(step, s, "dit", "B", "sprint", 128, 3)),
+        Section("dit-B-sprint", "DiT-B/2, SPRINT, batch 128, 32x32x3", "steps", 60, partial(step, s, "dit", "B", "sprint", 128, 3)),
     ]
 
 
