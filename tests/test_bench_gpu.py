@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from train.bench import gpu, gpu_checks, gpu_speed
+from train.bench import gpu, gpu_checks, gpu_report, gpu_speed
 from train.bench.gpu_budget import PROGRESS, Section, run_sections
 
 
@@ -32,6 +32,11 @@ def test_dry_run_writes_every_section(tmp_path, capsys):
     assert kernels == {("selective scan (Triton)", p) for p in ("fp32", "bf16", "fp32, decay -1e5")} | {("Bi-WKV (Triton)", p) for p in ("fp32", "bf16")}
     families = {(r["family"], r["precision"]) for s in saved["sections"] if s["name"] == "families" for r in s["records"]}
     assert families == {(f, p) for f in ("dit", "rwkv", "mamba", "diffmoe") for p in ("fp32", "bf16")}
+    # Every kernel row names the config each autotuned kernel it ran picked (the interpreter has one config each).
+    tuned = {r["kernel"]: r["tuned"] for s in saved["sections"] if s["name"] == "kernel-speed" for r in s["records"]}
+    assert set(tuned["selective scan"]) == {"fwd_kernel", "bwd_kernel"} and len(tuned["Bi-WKV"]) == 4
+    assert all(t["picked"].startswith("BLOCK_") and t["ms"] == {} for k in tuned.values() for t in k.values())
+    assert "fwd_kernel: BLOCK_D=" in md
     trainer = next(s for s in saved["sections"] if s["name"] == "trainer")["records"][0]
     assert trainer["trainer_images_per_s"] > 0 and trainer["ratio"] > 0
     # Tiny shapes on a CPU decide no goal, but every goal is listed.
@@ -39,6 +44,23 @@ def test_dry_run_writes_every_section(tmp_path, capsys):
     assert report["sections"][0]["records"][0]["passed"]
     out = capsys.readouterr().out
     assert "[" in out and "kernels:" in out and "wrote" in out  # progress lines
+
+
+def test_tuned_configs_name_the_pick_and_every_configs_time():
+    import types
+
+    import triton
+
+    @triton.jit
+    def kernel(x):
+        pass
+
+    configs = [triton.Config({"BLOCK": 16}, num_warps=4), triton.Config({"BLOCK": 32}, num_warps=8)]
+    tuned, untouched = (triton.autotune(configs=configs, key=[])(kernel) for _ in range(2))
+    tuned.best_config, tuned.configs_timings = configs[1], {configs[0]: [0.5, 0.4, 0.6], configs[1]: [0.25, 0.2, 0.3]}
+    got = gpu_speed.tuned_configs(types.SimpleNamespace(a_kernel=tuned, never_run=untouched, other=1))
+    assert got == {"a_kernel": {"picked": "BLOCK=32 warps=8", "ms": {"BLOCK=16 warps=4": 0.5, "BLOCK=32 warps=8": 0.25}}}
+    assert gpu_report._tuned_cell(got) == "a_kernel: BLOCK=32 warps=8 (0.250 of 0.500 ms, 2 configs)"
 
 
 def _sections(calls: list[str], estimates: dict[str, float], raise_in: str = "") -> list[Section]:

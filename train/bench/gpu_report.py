@@ -122,6 +122,15 @@ def _verdict(passed: bool) -> str:
     return "pass" if passed else "**FAIL**"
 
 
+def _tuned_cell(tuned: dict[str, dict]) -> str:
+    """One report cell: each kernel's pick and, when timed, its time against the slowest config's."""
+    def part(kernel: str, t: dict) -> str:
+        spread = f" ({min(t['ms'].values()):.3f} of {max(t['ms'].values()):.3f} ms, {len(t['ms'])} configs)" if t["ms"] else ""
+        return f"{kernel}: {t['picked']}{spread}"
+
+    return "; ".join(part(k, t) for k, t in tuned.items()) or "-"
+
+
 TABLES = {
     "kernel_checks": ("| kernel | precision | shape | output error | worst gradient error | tolerance | result |",
                       lambda r: f"| {r['kernel']} | {r['precision']} | {r['shape']} | {_f(r['y_error'], '.1e')} | "
@@ -138,11 +147,11 @@ TABLES = {
                         f"{r['measured']:.2f}x | {r['efficiency']:.2f} | {_f(r['mfu_unrouted'], '.1%')} | "
                         f"{_f(r['mfu_routed'], '.1%')} | {_f(r['compile_s'], '.0f')} ({_f(r['graphs'], 'd')}) |"),
     "kernel_speed": ("| kernel | precision | shape | Triton fwd ms | Triton fwd+bwd ms | PyTorch op fwd+bwd ms | speedup | "
-                     "ideal MB fwd+bwd | achieved GB/s | of peak | roofline ms | goal |",
+                     "ideal MB fwd+bwd | achieved GB/s | of peak | roofline ms | goal | tuned configs (best of all, ms) |",
                      lambda r: f"| {r['kernel']} | {r['precision']} | {r['shape']} | {r['ms_fwd']:.3f} | {r['ms_fwd_bwd']:.3f} | "
                                f"{r['ms_torch_fwd_bwd']:.3f} | {r['speedup_vs_torch']:.1f}x | {r['ideal_bytes_fwd_bwd'] / 1e6:.1f} | "
                                f"{r['achieved_gbps']:.0f} | {_f(r['peak_fraction'], '.0%')} | {_f(r['roofline_ms'], '.3f')} | "
-                               f"{_goal(r)} |"),
+                               f"{_goal(r)} | {_tuned_cell(r.get('tuned', {}))} |"),
     "official": ("| model | route | batch | compile | official ms unrouted | ours ms unrouted | official ms routed | ours ms routed | "
                  "ours / official routed | MFU ours routed | compile s (graphs) | official first steps s | official copy (sha256) |",
                  lambda r: f"| DiT-{r['preset']}/2 ({r['tokens']} tokens) | {r['route']} | {r['batch']} | {r['compile']}"

@@ -143,6 +143,7 @@ def kernel_rows(device: torch.device, scan_shape: tuple[int, ...], wkv_shape: tu
     """Triton kernel and the chunked PyTorch op, forward and forward+backward, interleaved, with the ideal bytes
     against the card's bandwidth, one row at a time. Goals (issue 36, bf16): scan <= 0.6 ms, Bi-WKV <= 0.4 ms
     forward+backward."""
+    from backbones.ops import selective_scan_triton, wkv_triton
     from backbones.ops.cuda_kernels import scan_fn
     from backbones.ops.wkv import bi_wkv
 
@@ -151,14 +152,16 @@ def kernel_rows(device: torch.device, scan_shape: tuple[int, ...], wkv_shape: tu
     def scan(precision: str) -> dict:
         inputs = {k: v for k, v in scan_inputs(b, d, length, n, device, precision).items() if k != "z"}
         inputs["delta_bias"] = torch.full((d,), -4.0, device=device)  # softplus(-4) ~ 0.018, a typical step
-        return _time_kernel("selective scan", precision, f"b{b} d{d} L{length} N{n}", inputs, 0.6 if precision == "bf16" else None,
-                            lambda backend, **kw: scan_fn(**kw, delta_softplus=True, backend=backend),
-                            scan_ideal_bytes(b, d, length, n, _bytes(precision)), repeats, warmup, device)
+        row = _time_kernel("selective scan", precision, f"b{b} d{d} L{length} N{n}", inputs, 0.6 if precision == "bf16" else None,
+                           lambda backend, **kw: scan_fn(**kw, delta_softplus=True, backend=backend),
+                           scan_ideal_bytes(b, d, length, n, _bytes(precision)), repeats, warmup, device)
+        return {**row, "tuned": tuned_configs(selective_scan_triton)}
 
     def wkv(precision: str) -> dict:
-        return _time_kernel("Bi-WKV", precision, f"B{B} T{T} C{C}", wkv_inputs(B, T, C, device, precision),
-                            0.4 if precision == "bf16" else None, lambda backend, **kw: bi_wkv(**kw, backend=backend),
-                            wkv_ideal_bytes(B, T, C, _bytes(precision)), repeats, warmup, device)
+        row = _time_kernel("Bi-WKV", precision, f"B{B} T{T} C{C}", wkv_inputs(B, T, C, device, precision),
+                           0.4 if precision == "bf16" else None, lambda backend, **kw: bi_wkv(**kw, backend=backend),
+                           wkv_ideal_bytes(B, T, C, _bytes(precision)), repeats, warmup, device)
+        return {**row, "tuned": tuned_configs(wkv_triton)}
 
     b, d, length, n = scan_shape
     B, T, C = wkv_shape
@@ -166,6 +169,26 @@ def kernel_rows(device: torch.device, scan_shape: tuple[int, ...], wkv_shape: tu
         yield guarded({"kernel": "selective scan", "precision": precision, "shape": f"b{b} d{d} L{length} N{n}"},
                       lambda: scan(precision))
         yield guarded({"kernel": "Bi-WKV", "precision": precision, "shape": f"B{B} T{T} C{C}"}, lambda: wkv(precision))
+
+
+def tuned_configs(module) -> dict[str, dict]:
+    """What each of the module's autotuned kernels picked on its latest tuning: the config, and every config's time
+    (ms), so a report says how far the pick is from the rest. A kernel with one config (the interpreter's) is never
+    timed by the autotuner, so it lists the config alone."""
+    from triton.runtime.autotuner import Autotuner
+
+    def name(config) -> str:
+        return " ".join([*(f"{k}={v}" for k, v in config.kwargs.items()), f"warps={config.num_warps}"])
+
+    def ms(timing) -> float:  # the autotuner keeps [median, 20th, 80th percentile] or one number
+        return float(timing[0] if isinstance(timing, (list, tuple)) else timing)
+
+    tuned = {}
+    for attr, kernel in sorted(vars(module).items()):
+        if isinstance(kernel, Autotuner) and getattr(kernel, "best_config", None) is not None:
+            timings = getattr(kernel, "configs_timings", None) or {}
+            tuned[attr] = {"picked": name(kernel.best_config), "ms": {name(c): ms(t) for c, t in timings.items()}}
+    return tuned
 
 
 def _bytes(precision: str) -> int:
