@@ -101,6 +101,14 @@ class Alignment(nn.Module):
         self.__dict__["capture"] = HiddenCapture(backbone, [self.layer, *online])
         self.__dict__["targets"] = targets
         self.__dict__["_teacher_captures"] = {}
+        # The EMA teacher's forward stops after its block by an exception; a network whose forward must run whole (an
+        # FSDP-sharded copy, whose hooks would be left mid-forward) sets this False.
+        self.teacher_stops_early = True
+
+    @property
+    def needs_ema(self) -> bool:
+        """Whether the targets come from the EMA network (self-alignment with teacher=ema)."""
+        return self.mode == "self" and self.teacher == "ema"
 
     def forward(self, y: torch.Tensor, labels: torch.Tensor | None = None, t: torch.Tensor | None = None,
                 noise: torch.Tensor | None = None, *, objective=None, ema: nn.Module | None = None,
@@ -140,13 +148,13 @@ class Alignment(nn.Module):
     @torch.no_grad()
     def ema_teacher(self, ema: nn.Module, objective, y, labels, t, noise, u=None) -> torch.Tensor:
         """(B, N, D) block-T state of the EMA network at the lower noise level, every token (routes forced to ratio 0:
-        no TREAD route runs, a SPRINT route runs all tokens); the forward stops after block T."""
+        no TREAD route runs, a SPRINT route runs all tokens); the forward stops after block T (`teacher_stops_early`)."""
         backbone = ema.model
         capture = self._teacher_captures.get(id(backbone))
         if capture is None:
             capture = self._teacher_captures[id(backbone)] = HiddenCapture(backbone, [self.teacher_layer])
         u = torch.rand(t.shape, device=t.device) if u is None else u.to(t.device)
-        capture.stop_after = self.teacher_layer
+        capture.stop_after = self.teacher_layer if self.teacher_stops_early else None
         capture.attach()
         try:
             with backbone.router.forced(0.0):

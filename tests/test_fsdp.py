@@ -133,11 +133,12 @@ def test_fsdp_fine_tunes_wan_with_lora_and_gathers_an_adapter_only_checkpoint_eq
 
 
 @pytest.mark.slow
-def test_fsdp_with_alignment_equals_one_process_and_resumes_across_them(tmp_path):
-    """align=self with the online teacher under FSDP: the projector is sharded beside the blocks (AdamW's second group),
-    and two processes resumed from one process's step 2 give its losses, alignment losses, projector and AdamW state;
-    one process then resumes the FSDP checkpoint (about 1 min on 2 cores)."""
-    aligned = [*ROUTED, "align=self", "align.teacher=online", "align.teacher_layer=-1", "align.projector_width=16"]
+@pytest.mark.parametrize("teacher", [["align.teacher=online", "align.teacher_layer=-1"], ["align.teacher=ema"]], ids=["online", "ema"])
+def test_fsdp_with_alignment_equals_one_process_and_resumes_across_them(tmp_path, teacher):
+    """align=self under FSDP: the projector is sharded beside the blocks (AdamW's second group), the EMA teacher runs a
+    sharded copy loaded with the EMA's shards, and two processes resumed from one process's step 2 give its losses,
+    alignment losses, projector and AdamW state; one process then resumes the FSDP checkpoint (about 1 min on 2 cores)."""
+    aligned = [*ROUTED, "align=self", *teacher, "align.projector_width=16"]
     one, sharded, _ = one_then_fsdp(tmp_path, aligned)
     logged = {name: {line["step"]: line for line in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
               for name, run in (("one", one), ("fsdp", sharded))}

@@ -9,12 +9,14 @@ from train.distributed.fsdp import (
     is_sharded,
     optimizer_by_name,
     optimizer_from_names,
+    reshard,
     shard_blocks,
     shard_optimizer_state,
     shard_projector,
+    sharded_copy,
     trained_modules,
 )
 
 __all__ = ["ShardedEma", "copy_into_shards", "fsdp_accelerator", "full_tensors", "is_sharded", "optimizer_by_name",
-           "optimizer_from_names", "shard_blocks", "shard_optimizer_state", "shard_projector",
-           "trained_modules"]
+           "optimizer_from_names", "reshard", "shard_blocks", "shard_optimizer_state", "shard_projector",
+           "sharded_copy", "trained_modules"]

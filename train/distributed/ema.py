@@ -3,7 +3,8 @@
 A full EMA copy on every process would undo what sharding saves (a 14B model's fp32 EMA is 56 GB). Here each process
 averages only its own shards of the trained parameters, with no communication. Whatever needs the EMA network as a
 whole (preview grids, checkpoints, loading a resumed run's EMA) runs the sharded model itself inside `swapped`, which
-exchanges the shards of the averaged and the trained weights, and exchanges them back on exit.
+exchanges the shards of the averaged and the trained weights, and exchanges them back on exit. What must run beside
+the trained model within a step (align=self's EMA teacher) runs a sharded copy instead, filled by `copy_into`.
 """
 
 from __future__ import annotations
@@ -13,15 +14,15 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
-from train.distributed.fsdp import local
+from train.distributed.fsdp import local, reshard
 
 
 class ShardedEma:
     def __init__(self, net: nn.Module, decay: float, use_warmup: bool):
         self.decay, self.use_warmup = decay, use_warmup
         self.averaged = [local(p).detach().clone() for p in self.trained(net)]
+        self.names = [name for name, p in net.named_parameters() if p.requires_grad]  # of `averaged`, in its order
 
     @staticmethod
     def trained(net: nn.Module) -> list[nn.Parameter]:
@@ -39,6 +40,12 @@ class ShardedEma:
     def update(self, net: nn.Module, step: int) -> None:
         torch._foreach_lerp_(self.averaged, [local(p) for p in self.trained(net)], 1.0 - self.get_decay(step))
 
+    @torch.no_grad()
+    def copy_into(self, twin: nn.Module) -> None:
+        """The averaged shards into `twin`, a copy of the model sharded as it is (`sharded_copy`), parameter by name."""
+        params = dict(twin.named_parameters())
+        torch._foreach_copy_([local(params[name]) for name in self.names], self.averaged)
+
     @contextmanager
     def swapped(self, net: nn.Module) -> Iterator[nn.Module]:
         """`net` in eval mode holding the EMA weights; on exit its own weights (and mode) again, and the EMA whatever
@@ -53,10 +60,7 @@ class ShardedEma:
 
     @torch.no_grad()
     def _exchange(self, net: nn.Module) -> None:
-        # A forward without backward (sampling) leaves the root unit's weights gathered; shard them again first.
-        for module in net.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        reshard(net)  # a forward without backward (sampling) leaves the root unit's weights gathered
         for averaged, p in zip(self.averaged, self.trained(net)):
             mine = local(p)
             kept = mine.clone()

@@ -8,6 +8,9 @@ parameter, gradient and AdamW state, and all-gathers one block's weights at a ti
   gradient clipping, reduces).
 - `shard_blocks(accelerator, classes)`: the block classes that become units, set before `prepare`.
 - `shard_projector(align, optimizer)`: the alignment projector as one more unit, joining AdamW after `prepare`.
+- `sharded_copy(accelerator, net)`: a frozen copy of the model sharded as `prepare` shards it (the EMA teacher of
+  align=self, which runs beside the model and cannot borrow its shards mid-step); `reshard` frees what a forward
+  without backward left gathered.
 - `full_tensors(state, keep)`: a state dict of sharded DTensors gathered tensor by tensor into full CPU tensors, kept
   on the main process only, so peak memory is one full tensor per process. A collective: every process calls it,
   with the same keys in the same order.
@@ -19,10 +22,13 @@ parameter, gradient and AdamW state, and all-gathers one block's weights at a ti
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-from torch.distributed.fsdp import fully_shard
+from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from routing.errors import ConfigError
@@ -57,6 +63,23 @@ def shard_projector(align: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     optimizer parameter that is not that model's."""
     fully_shard(align)
     optimizer.add_param_group({"params": list(align.parameters())})
+
+
+def sharded_copy(accelerator: Accelerator, net: torch.nn.Module) -> torch.nn.Module:
+    """A frozen copy of the unsharded `net` in eval mode, sharded by accelerate's own FSDP2 path with the plugin
+    `prepare` uses: the same units over the same processes, so each parameter's local shard has the shape of the
+    model's (`ShardedEma.copy_into` fills it). Costs one more 1/N of the weights per process."""
+    twin = copy.deepcopy(net)
+    fsdp2_prepare_model(accelerator, twin)  # with requires_grad as the model's: under mixed precision it upcasts those
+    return twin.requires_grad_(False).eval()
+
+
+def reshard(net: torch.nn.Module) -> None:
+    """Shard again every unit a forward without backward left gathered (the root unit keeps its weights gathered for
+    the backward that never comes; a forward stopped early by an exception leaves its unit gathered too)."""
+    for module in net.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def trained_modules(net: torch.nn.Module, align: torch.nn.Module | None) -> torch.nn.Module:

@@ -58,9 +58,6 @@ def check_align(cfg: DictConfig) -> None:
                           "(align=none) or train a backbone from scratch (finetune.family=null).")
     if a.name == "repa":
         _check_encoder(cfg, a)
-    if a.name == "self" and a.teacher == "ema" and cfg.trainer.get("distributed") == "fsdp":
-        raise ConfigError("align.teacher=ema runs the EMA model as the teacher, but under trainer.distributed=fsdp the EMA lives in the "
-                          "model's own shards and cannot run beside it yet; use align.teacher=online or trainer.distributed=ddp.")
     from backbones import family_module
     from backbones.capture import check_layers
     from routing.route import resolve_routes

@@ -25,7 +25,7 @@ from train.data import build_dataset
 from train.data.prefetch import Prefetcher
 from train.data.prompts import check_table
 from train.data.validation_prompts import check_validation_prompts, encode_validation
-from train.distributed import ShardedEma, shard_blocks, shard_projector
+from train.distributed import ShardedEma, shard_blocks, shard_projector, sharded_copy
 from train.files import read_metrics
 from train.logger import MetricsLogger
 from train.metrics.alignment import align_name, build_alignment
@@ -129,8 +129,15 @@ class SetUp:
         groups += [{"params": list(self.align.parameters())}] if self.align is not None and not sharded else []
         optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, fused=True)
         self.ema = None if sharded else build_ema(cfg, net, self.acc.device)
+        # align=self's EMA teacher under FSDP runs mid-step beside the trained model, whose root unit stays gathered
+        # from forward to backward, so it cannot borrow those shards: it gets a sharded copy of its own (one more 1/N of
+        # the weights per process), loaded with the EMA's shards each step (`ema_teacher`).
+        self.teacher = net if sharded and self.align is not None and self.align.needs_ema else None
         if sharded:
             shard_blocks(self.acc, [type(block).__name__ for block in routed_blocks(net)])  # one FSDP unit per block
+            if self.teacher is not None:
+                self.teacher = sharded_copy(self.acc, self.teacher)
+                self.align.teacher_stops_early = False  # an exception mid-forward would leave FSDP's hooks mid-forward
         self.net, self.optimizer = self.acc.prepare(net, optimizer)
         if self.align is not None and sharded:
             shard_projector(self.align, self.optimizer.optimizer)  # sharded as the blocks are, its gradients reduce-scattered
@@ -211,6 +218,14 @@ class SetUp:
         wandb = {"name": self.run_dir.name, "dir": str(self.run_dir), "mode": os.environ.get("WANDB_MODE", "offline")}
         self.acc.init_trackers("tread-zoo", config=flat_settings(self.cfg), init_kwargs={"wandb": wandb})
         return self.acc
+
+    def ema_teacher(self) -> nn.Module | None:
+        """The EMA network align=self's EMA teacher runs this step: the EMA's own copy, or under FSDP (when the teacher
+        is the EMA) the sharded copy, loaded with the EMA's shards now."""
+        if self.teacher is None:
+            return getattr(self.ema, "module", None)
+        self.ema.copy_into(self.teacher)
+        return self.teacher
 
     @contextmanager
     def _ema_net(self) -> Iterator[nn.Module]:

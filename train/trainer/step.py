@@ -15,6 +15,7 @@ import torch
 from backbones.diffmoe import auxiliary_losses
 from edm import reduce_loss, shift_time
 from train.build import compiled_graphs
+from train.distributed import reshard
 from train.trainer.draws import ROUTES, seeded
 
 
@@ -48,6 +49,7 @@ class Step:
         router = self.backbone.router
         routes = seeded(cfg.seed, self.step, ROUTES, device=acc.device)  # (seed, step) only: set_draws picks the rows
         u_all = self._align_draws() if self.align is not None else None  # the EMA teacher's noise gaps, a stream of their own
+        teacher = self.ema_teacher() if self.align is not None else None  # for align=self teacher=ema
         modules = (self.net,) if self.align is None else (self.net, self.align)  # the projector trains beside the model
         losses, aux_sums = [], {}
         bad = torch.zeros((), dtype=torch.bool, device=acc.device)  # the divergence guard's flag
@@ -72,7 +74,9 @@ class Step:
                     if self.align is not None:
                         # lambda x the alignment loss of the forward just run (its hooks hold the aligned block's state)
                         aligned = self.align(y, labels, t_all[part], noise_all[part], objective=self.objective,
-                                             ema=getattr(self.ema, "module", None), u=u_all[part], clean=self._batch_clean(start))
+                                             ema=teacher, u=u_all[part], clean=self._batch_clean(start))
+                        if self.teacher is not None:
+                            reshard(self.teacher)  # the root unit stays gathered after a forward without backward
                         loss = loss + aligned
                         aux = {**aux, "align": aligned}  # logged beside the MoE losses
                 acc.backward(loss)
