@@ -10,11 +10,13 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 from PIL import Image
 from safetensors.numpy import load_file
 
 from routing.errors import ConfigError
 from train.cache_latents import main as cache_latents
+from train.data.prefetch import Prefetcher
 from train.data.images import center_crop_resize
 from train.metrics.encoder import CachedFeatures, FrozenEncoder
 from train.trainer import Trainer
@@ -99,6 +101,10 @@ def test_repa_trains_on_cached_latents(folders, tmp_path, source):
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 2 and all(np.isfinite(losses))
     assert all(np.isfinite(r["align"]) and r["align"] != 0 for r in logged if "align" in r)
+    # What REPA reads comes with the batch, so the CUDA path's prefetch thread reads it ahead: the same losses.
+    again = Trainer(OmegaConf.merge(cfg, {"run_dir": str(tmp_path / "prefetched")}))
+    again.prefetcher = Prefetcher(again._load_batch, pin=False)
+    assert again.fit() == pytest.approx(losses, rel=0, abs=0)
 
 
 def test_repa_on_latents_without_what_it_needs_is_one_sentence(folders, tmp_path):

@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor | None, ...]  # the trainer's: images, labels, and what REPA reads beside latents (or None)
 
 
 class Prefetcher:
@@ -22,8 +22,8 @@ class Prefetcher:
         self.pending: tuple[Hashable, Future] | None = None
 
     def _load(self, key: Hashable) -> Batch:
-        y, labels = self.load(key)
-        return (y.pin_memory(), labels.pin_memory()) if self.pin else (y, labels)
+        batch = self.load(key)
+        return tuple(None if t is None else t.pin_memory() for t in batch) if self.pin else batch
 
     def get(self, key: Hashable, following: Hashable | None) -> Batch:
         """The batch `key` (prefetched if it was asked for last time); starts loading `following` meanwhile."""

@@ -51,14 +51,18 @@ class Batches:
             return self.dataset.shape_of(self._global_indices(self.step))
         return self.dataset.shape
 
-    def _load_batch(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Clean images and labels of this process's micro-batch at `start` of step `step`: a pure function of the key."""
+    def _load_batch(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Clean images and labels of this process's micro-batch at `start` of step `step`, and what REPA's encoder reads
+        for them when the batch is not pixels (`align.source`: the images or features train.cache_latents stored
+        beside the latents; else None): a pure function of the key."""
         step, start = key
-        indices = self._global_indices(step)
-        return self.dataset.get(indices[start : start + self.micro_batch], seeded(self.cfg.seed, step, AUGMENT, start))
+        indices = self._global_indices(step)[start : start + self.micro_batch]
+        y, labels = self.dataset.get(indices, seeded(self.cfg.seed, step, AUGMENT, start))
+        source = None if self.align is None else self.acc.unwrap_model(self.align).source
+        return y, labels, None if source is None else self.dataset.align_inputs(indices, source)
 
-    def _batch(self, micro: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This micro-batch; on CUDA the next one is read meanwhile on a thread, into pinned memory."""
+    def _batch(self, micro: int, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """This micro-batch (`_load_batch`); on CUDA the next one is read meanwhile on a thread, into pinned memory."""
         if self.prefetcher is None:
             return self._load_batch((self.step, start))
         last = micro == self.cfg.trainer.grad_accum - 1
@@ -75,15 +79,6 @@ class Batches:
         keep, weight = mask_inputs(self.dataset, indices, self.backbone.patch, self.cfg.data.get("mask_loss_weight"))
         device = self.acc.device
         return (None if keep is None else keep.to(device, non_blocking=True)), (None if weight is None else weight.to(device, non_blocking=True))
-
-    def _batch_clean(self, start: int) -> torch.Tensor | None:
-        """What REPA's encoder reads for the micro-batch at `start` when the batch is not pixels: the images or features
-        train.cache_latents stored beside the latents (align.source); None otherwise."""
-        source = None if self.align is None else self.acc.unwrap_model(self.align).source
-        if source is None:
-            return None
-        indices = self._global_indices(self.step)[start : start + self.micro_batch]
-        return self.dataset.align_inputs(indices, source).to(self.acc.device, non_blocking=True)
 
     def _force_kept(self, keep: torch.Tensor | None):
         """Within: every route of the network's forwards processes the tokens `keep` marks (the adapter holds the mask,

@@ -56,8 +56,7 @@ class Step:
         for micro in range(cfg.trainer.grad_accum):
             start = (micro * acc.num_processes + acc.process_index) * b
             part = slice(start, start + b)
-            y, labels = self._batch(micro, start)
-            y, labels = y.to(acc.device, non_blocking=True), labels.to(acc.device, non_blocking=True)
+            y, labels, clean = (t if t is None else t.to(acc.device, non_blocking=True) for t in self._batch(micro, start))
             labels = torch.where(drop_all[part], self.dataset.num_classes, labels)  # null class for CFG
             keep, weight = self._batch_masks(start)  # masks from the data: force-kept tokens and the loss weight
             router.set_draws(routes, start, G)  # a sample's route depends on (seed, step, its index) only
@@ -74,7 +73,7 @@ class Step:
                     if self.align is not None:
                         # lambda x the alignment loss of the forward just run (its hooks hold the aligned block's state)
                         aligned = self.align(y, labels, t_all[part], noise_all[part], objective=self.objective,
-                                             ema=teacher, u=u_all[part], clean=self._batch_clean(start))
+                                             ema=teacher, u=u_all[part], clean=clean)
                         if self.teacher is not None:
                             reshard(self.teacher)  # the root unit stays gathered after a forward without backward
                         loss = loss + aligned
