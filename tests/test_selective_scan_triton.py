@@ -213,10 +213,19 @@ def test_layout_does_not_depend_on_the_tuned_config():
     assert sst.time_chunk(256) == 256 and sst.time_chunk(1024) == 256 and sst.time_chunk(9) == 16
     assert sst.channels_per_program(64, 1, 768) == 64  # 768 programs at the reference shape
     assert sst.channels_per_program(8, 1, 768) == 8  # fewer rows: smaller blocks keep the card busy
-    block_ds = {c.kwargs["BLOCK_D"] for c in sst.bwd_kernel.configs}
+    block_ds = {c.kwargs["BLOCK_D"] for c in sst.bwd_kernel.configs} | {bd for bd, _ in sst.BWD_CONFIGS}
     assert all(8 % bd == 0 for bd in block_ds)
     if sst._INTERPRETED:  # the interpreter would run every config: one
         assert len(sst.fwd_kernel.configs) == len(sst.bwd_kernel.configs) == 1
+
+
+def test_the_wide_backward_config_is_pruned_with_z():
+    """BLOCK_D 4 at 16 warps spills registers with z (kernel_compile, sm_90): the autotuner never times it then."""
+    import triton
+
+    configs = [triton.Config({"BLOCK_D": bd}, num_warps=w) for bd, w in sst.BWD_CONFIGS]
+    assert sst._prune_backward(configs, {}, HAS_Z=False) == configs
+    assert [(c.kwargs["BLOCK_D"], c.num_warps) for c in sst._prune_backward(configs, {}, HAS_Z=True)] == [(2, 8)]
 
 
 def test_bfloat16_inputs(device):

@@ -41,9 +41,9 @@ tuned config), walks them BLOCK_D at a time and adds each block's sums into its 
 (L2-resident); torch sums the b * d / CPP partials. CPP is the largest of 8..64 that still gives >= 512
 programs, so the partials stay at about 1/8 of the (b, d, l) traffic.
 
-Autotune: forward chooses BLOCK_D and num_warps on first use per (d, l, n, flags, dtypes); backward has
-one config, BLOCK_D 2 at 8 warps, the only one that compiles for sm_90 without register spills at CHUNK 256
-(`python -m train.bench.kernel_compile` prints registers and spills of every config). CHUNK and
+Autotune: forward chooses BLOCK_D and num_warps on first use per (d, l, n, flags, dtypes), backward between
+BLOCK_D 2 at 8 warps and BLOCK_D 4 at 16 (without z): the configs that compile for sm_90 without register spills
+at CHUNK 256 (`python -m train.bench.kernel_compile` prints registers and spills of every config). CHUNK and
 CPP are fixed by the shape, so the states forward stores and the partials backward writes never depend
 on the tuned config. Under TRITON_INTERPRET=1 each kernel has one small config.
 
@@ -85,13 +85,29 @@ def _configs(shapes: tuple[tuple[int, int], ...]) -> list[triton.Config]:
 # Keyed on the shape and the flags; the autotuner adds every tensor argument's dtype to the key itself.
 _KEY = ["d", "g", "L", "N", "HAS_D", "HAS_Z", "HAS_BIAS", "CHUNK"]
 # Only configs that compile for sm_90 without register spills at CHUNK = 256 (`python -m
-# train.bench.kernel_compile`, ptxas 12.9): forward BLOCK_D 8 and 16 spill 52-688 bytes per thread (BLOCK_D 2 at
-# 8 warps 20 bytes, with D and delta_bias), backward BLOCK_D 4 spills 32-184 and BLOCK_D 8 332-1380, and BLOCK_D 2
-# at 4 warps 8-12 with the Mamba block's flags (D, delta_bias, softplus): backward has one config left.
-# BLOCK_D must divide CPP (>= 8) in backward.
-fwd_kernel = triton.autotune(configs=_configs(((2, 4), (4, 4), (4, 8))), key=_KEY)(_scan_fwd_kernel)
-bwd_kernel = triton.autotune(configs=_configs(((2, 8),)), key=_KEY)(_scan_bwd_kernel)
+# train.bench.kernel_compile`, ptxas 12.9). At 4 and 8 warps, forward BLOCK_D 8 and 16 spill 52-688 bytes per
+# thread, backward BLOCK_D 4 spills 32-184 and BLOCK_D 8 332-1380, and backward BLOCK_D 2 at 4 warps 8-12 with the
+# Mamba block's flags (D, delta_bias, softplus). 16 warps spread the larger tiles: forward BLOCK_D 8 and backward
+# BLOCK_D 4 fit in 128 registers with Triton 3.8, except backward BLOCK_D 4 with z (16 bytes), which `_prune_backward`
+# drops; with Triton 3.6 (the H100 image) they spill 4 bytes (forward, every flag) and 24-32 (backward, the Mamba
+# block's flags), small enough to leave to the autotuner's timing. The one H100 run (docs/gpu/h100-2026-11-26b) found
+# both kernels bound by the latency of many small tile scans, so these larger tiles are candidates the autotuner
+# times, not a measured improvement. BLOCK_D must divide CPP (>= 8) in backward.
+_WIDE_BACKWARD = (4, 16)  # (BLOCK_D, num_warps)
+FWD_CONFIGS = ((2, 4), (4, 4), (4, 8), (8, 16))  # (BLOCK_D, num_warps) on a GPU
+BWD_CONFIGS = ((2, 8), _WIDE_BACKWARD)
 
+
+def _prune_backward(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """The backward configs that compile without spills for these flags: the wide one only without z."""
+    if not kwargs.get("HAS_Z"):
+        return configs
+    return [c for c in configs if (c.kwargs["BLOCK_D"], c.num_warps) != _WIDE_BACKWARD]
+
+
+fwd_kernel = triton.autotune(configs=_configs(FWD_CONFIGS), key=_KEY)(_scan_fwd_kernel)
+bwd_kernel = triton.autotune(configs=_configs(BWD_CONFIGS), key=_KEY,
+                             prune_configs_by={"early_config_prune": _prune_backward})(_scan_bwd_kernel)
 
 def time_chunk(length: int) -> int:
     """Steps per chunk: the sequence rounded up to a power of two (at least 16), at most MAX_CHUNK."""

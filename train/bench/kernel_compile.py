@@ -78,8 +78,10 @@ def _flag_sets(which: str) -> dict[str, dict]:
 
 
 def _tuned(autotuner, fixed: dict):
-    """(constexprs, options) of each autotune config of `autotuner`, with the shape-fixed constexprs added."""
-    for config in autotuner.configs:
+    """(constexprs, options) of each autotune config of `autotuner` that its pruner keeps for these flags, with the
+    shape-fixed constexprs added."""
+    prune = getattr(autotuner, "early_config_prune", None)
+    for config in prune(autotuner.configs, {}, **fixed) if prune else autotuner.configs:
         options = {k: v for k, v in config.all_kwargs().items() if k in ("num_warps", "num_stages", "num_ctas")}
         yield {**fixed, **config.kwargs}, options
 
