@@ -37,6 +37,10 @@ def test_dry_run_writes_every_section(tmp_path, capsys):
     assert set(tuned["selective scan"]) == {"fwd_kernel", "bwd_kernel"} and len(tuned["Bi-WKV"]) == 4
     assert all(t["picked"].startswith("BLOCK_") and t["ms"] == {} for k in tuned.values() for t in k.values())
     assert "fwd_kernel: BLOCK_D=" in md
+    # And where one forward+backward's time goes, launch by launch (the CPU's ops in a dry run).
+    launches = [r["launches"] for s in saved["sections"] if s["name"] == "kernel-speed" for r in s["records"]]
+    assert all(rows and all(x["us"] > 0 and x["calls"] >= 1 for x in rows) for rows in launches)
+    assert "Launches of one selective scan bf16 forward+backward" in md
     trainer = next(s for s in saved["sections"] if s["name"] == "trainer")["records"][0]
     assert trainer["trainer_images_per_s"] > 0 and trainer["ratio"] > 0
     # Tiny shapes on a CPU decide no goal, but every goal is listed.

@@ -214,6 +214,16 @@ def markdown(report: dict) -> str:
         lines += [f"- {' '.join(str(v) for k, v in r.items() if k not in ('error', 'passed', 'section'))}: **{r['error']}**"
                   for r in records if "error" in r]
         lines += [f"- {r['section']}: {r['note']}" for r in good if r.get("note")]
+        lines += _launches(good) if kind == "kernel_speed" else []
         if lines[-1] == "":
             lines.pop()
     return "\n".join(lines) + "\n"
+
+
+def _launches(rows: list[dict]) -> list[str]:
+    """Each kernel row's profiled forward+backward: its costliest launches, one line each."""
+    lines = []
+    for r in (r for r in rows if r.get("launches")):
+        lines += [f"Launches of one {r['kernel']} {r['precision']} forward+backward (torch.profiler, costliest first):", ""]
+        lines += [f"- {x['us']:.0f} us in {x['calls']} call(s): `{x['name']}`" for x in r["launches"]] + [""]
+    return lines

@@ -210,6 +210,7 @@ def _time_kernel(kernel, precision, shape, inputs, goal_ms, op, ideal, repeats, 
 
         calls[backend, "fwd"], calls[backend, "fwd+bwd"] = forward, both
     ms = {key: s * 1e3 for key, s in interleaved_medians(calls, repeats, warmup, device).items()}
+    launches = launch_profile(calls["triton", "fwd+bwd"], device)
     peak = card_bandwidth(device)
     achieved = ideal[1] / (ms["triton", "fwd+bwd"] / 1e3)
     return {"kernel": kernel, "precision": precision, "shape": shape, "ms_fwd": ms["triton", "fwd"],
@@ -217,7 +218,23 @@ def _time_kernel(kernel, precision, shape, inputs, goal_ms, op, ideal, repeats, 
             "speedup_vs_torch": ms["torch", "fwd+bwd"] / ms["triton", "fwd+bwd"], "ideal_bytes_fwd": ideal[0],
             "ideal_bytes_fwd_bwd": ideal[1], "achieved_gbps": achieved / 1e9, "peak_fraction": achieved / peak if peak else None,
             "roofline_ms": ideal[1] / peak * 1e3 if peak else None, "goal_ms": goal_ms,
-            "goal_met": None if goal_ms is None else ms["triton", "fwd+bwd"] <= goal_ms}
+            "goal_met": None if goal_ms is None else ms["triton", "fwd+bwd"] <= goal_ms, "launches": launches}
+
+
+def launch_profile(call, device: torch.device, top: int = 10) -> list[dict]:
+    """Where one call's time goes: torch.profiler over one call, its `top` costliest kernels (on a GPU: device
+    time of each launched kernel, Triton's and torch's alike; on a CPU: the ops' own CPU time), each with its calls
+    and microseconds, costliest first. The one H100 run had only totals, which cannot say which launch is slow."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        call()
+        if cuda:
+            torch.cuda.synchronize(device)
+    rows = [(e.key, e.count, (e.self_device_time_total if cuda else e.self_cpu_time_total)) for e in prof.key_averages()]
+    rows = sorted((r for r in rows if r[2] > 0), key=lambda r: -r[2])[:top]
+    return [{"name": name[:80], "calls": count, "us": float(us)} for name, count, us in rows]
 
 
 def trainer_row(preset: str, batch: int, size: int, steps: int, log_every: int, bf16: bool, compile_mode: str, cuda_graphs: bool,
