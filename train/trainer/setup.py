@@ -132,11 +132,11 @@ class SetUp:
         # align=self's EMA teacher under FSDP runs mid-step beside the trained model, whose root unit stays gathered
         # from forward to backward, so it cannot borrow those shards: it gets a sharded copy of its own (one more 1/N of
         # the weights per process), loaded with the EMA's shards each step (`ema_teacher`).
-        self.teacher = net if sharded and self.align is not None and self.align.needs_ema else None
+        self.teacher = None
         if sharded:
             shard_blocks(self.acc, [type(block).__name__ for block in routed_blocks(net)])  # one FSDP unit per block
-            if self.teacher is not None:
-                self.teacher = sharded_copy(self.acc, self.teacher)
+            if self.align is not None and self.align.needs_ema:
+                self.teacher = sharded_copy(self.acc, net)
                 self.align.teacher_stops_early = False  # an exception mid-forward would leave FSDP's hooks mid-forward
         self.net, self.optimizer = self.acc.prepare(net, optimizer)
         if self.align is not None and sharded:
