@@ -1,6 +1,6 @@
 """Force-keep masks from the data in the trainer (train/data/masks.py, docs/finetuning.md "Masks"): tiny Flux (captions)
 and Wan (videos) fine-tunes with `name.mask.png` beside their samples keep every masked token on every route, step after step, and
-data.mask_loss_weight weighs the per-element loss as computed by hand."""
+data.mask_loss_weight weighs the per-element loss as computed by hand, read ahead with the batch or on demand."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from edm import reduce_loss
+from train.data.prefetch import Prefetcher
 from train.trainer import Trainer
 from conftest import compose_cfg
 from test_captions import overrides, pipeline, write_images  # noqa: F401  (pipeline: the tiny Flux fixture)
@@ -33,7 +34,7 @@ def masked_folder(root):
 
 def step_keep(trainer: Trainer) -> torch.Tensor:
     """The force-keep mask of the step about to run (one micro-batch), from the data as the trainer reads it."""
-    keep, _ = trainer._batch_masks(0)
+    keep = trainer._load_batch((trainer.step, 0))[3]
     return torch.zeros(0, dtype=torch.bool) if keep is None else keep
 
 
@@ -72,8 +73,10 @@ def test_mask_loss_weight_weighs_the_loss_as_computed_by_hand(pipeline, tmp_path
     data = masked_folder(tmp_path / "data")
     seen = {}
 
-    def run(name, *extra):
+    def run(name, *extra, prefetch=False):
         trainer = Trainer(compose_cfg(*overrides(pipeline, data, tmp_path / name), *extra))
+        if prefetch:  # the CUDA path: the masks come with the batch, read ahead on the prefetch thread
+            trainer.prefetcher = Prefetcher(trainer._load_batch, pin=False)
         loss = trainer.objective.loss
 
         def record(*args):
@@ -89,6 +92,7 @@ def test_mask_loss_weight_weighs_the_loss_as_computed_by_hand(pipeline, tmp_path
 
     trainer, indices, plain = run("plain")
     _, again, weighted = run("weighted", "data.mask_loss_weight=[2.0,0.5]")
+    assert run("prefetched", "data.mask_loss_weight=[2.0,0.5]", prefetch=True)[2] == weighted
     assert torch.equal(indices, again)
     masks = trainer.dataset.masks(indices)
     assert masks.present.any()  # the first batch holds a masked image

@@ -12,7 +12,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-Batch = tuple[torch.Tensor | None, ...]  # the trainer's: images, labels, and what REPA reads beside latents (or None)
+# The trainer's (Batches._load_batch): images, labels, what REPA reads beside latents, force-kept tokens, loss weight
+Batch = tuple[torch.Tensor | None, ...]
 
 
 class Prefetcher:

@@ -14,6 +14,7 @@ from contextlib import nullcontext
 import torch
 
 from train.data.masks import mask_inputs
+from train.data.prefetch import Batch
 
 # The streams of one step's generators (the third key of `seeded`).
 NOISE, ORDER, AUGMENT, ROUTES, ALIGN = 0, 1, 2, 3, 4  # ALIGN: the self-alignment teacher's noise gap (align=self)
@@ -51,17 +52,23 @@ class Batches:
             return self.dataset.shape_of(self._global_indices(self.step))
         return self.dataset.shape
 
-    def _load_batch(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Clean images and labels of this process's micro-batch at `start` of step `step`, and what REPA's encoder reads
-        for them when the batch is not pixels (`align.source`: the images or features train.cache_latents stored
-        beside the latents; else None): a pure function of the key."""
+    def _load_batch(self, key: tuple[int, int]) -> Batch:
+        """This process's micro-batch at `start` of step `step`, read on the host: a pure function of the key, so the
+        CUDA path's prefetch thread reads it ahead. Clean images (b, C, H, W) and labels (b,); what REPA's encoder reads
+        for them when the batch is not pixels (`align.source`: the images or features train.cache_latents stored beside
+        the latents); and the masks from the data (name.mask.png, train/data/masks.py): force-kept tokens (b, N) bool
+        and the loss weight (b, 1, *latent). Each of the last three is None when the run has none."""
         step, start = key
         indices = self._global_indices(step)[start : start + self.micro_batch]
         y, labels = self.dataset.get(indices, seeded(self.cfg.seed, step, AUGMENT, start))
         source = None if self.align is None else self.acc.unwrap_model(self.align).source
-        return y, labels, None if source is None else self.dataset.align_inputs(indices, source)
+        clean = None if source is None else self.dataset.align_inputs(indices, source)
+        keep, weight = None, None
+        if hasattr(self.dataset, "masks"):  # only fine-tuned models' data has masks; only their backbones have a `patch`
+            keep, weight = mask_inputs(self.dataset, indices, self.backbone.patch, self.cfg.data.get("mask_loss_weight"))
+        return y, labels, clean, keep, weight
 
-    def _batch(self, micro: int, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _batch(self, micro: int, start: int) -> Batch:
         """This micro-batch (`_load_batch`); on CUDA the next one is read meanwhile on a thread, into pinned memory."""
         if self.prefetcher is None:
             return self._load_batch((self.step, start))
@@ -69,16 +76,6 @@ class Batches:
         b, procs, rank = self.micro_batch, self.acc.num_processes, self.acc.process_index
         following = (self.step + 1, rank * b) if last else (self.step, ((micro + 1) * procs + rank) * b)
         return self.prefetcher.get((self.step, start), following)
-
-    def _batch_masks(self, start: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The micro-batch at `start`'s masks from the data (name.mask.png, train/data/masks.py): (force_keep (b, N) bool,
-        loss weight (b, 1, *latent)), each None without masks (or without data.mask_loss_weight for the weight)."""
-        if not hasattr(self.dataset, "masks"):
-            return None, None
-        indices = self._global_indices(self.step)[start : start + self.micro_batch]
-        keep, weight = mask_inputs(self.dataset, indices, self.backbone.patch, self.cfg.data.get("mask_loss_weight"))
-        device = self.acc.device
-        return (None if keep is None else keep.to(device, non_blocking=True)), (None if weight is None else weight.to(device, non_blocking=True))
 
     def _force_kept(self, keep: torch.Tensor | None):
         """Within: every route of the network's forwards processes the tokens `keep` marks (the adapter holds the mask,

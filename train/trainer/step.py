@@ -56,9 +56,9 @@ class Step:
         for micro in range(cfg.trainer.grad_accum):
             start = (micro * acc.num_processes + acc.process_index) * b
             part = slice(start, start + b)
-            y, labels, clean = (t if t is None else t.to(acc.device, non_blocking=True) for t in self._batch(micro, start))
+            # keep, weight: masks from the data (force-kept tokens, the loss weight); clean: what REPA's encoder reads
+            y, labels, clean, keep, weight = (t if t is None else t.to(acc.device, non_blocking=True) for t in self._batch(micro, start))
             labels = torch.where(drop_all[part], self.dataset.num_classes, labels)  # null class for CFG
-            keep, weight = self._batch_masks(start)  # masks from the data: force-kept tokens and the loss weight
             router.set_draws(routes, start, G)  # a sample's route depends on (seed, step, its index) only
             with acc.accumulate(*modules), self._force_kept(keep):
                 with acc.autocast():
