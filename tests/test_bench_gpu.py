@@ -266,3 +266,25 @@ def test_the_full_check_without_a_gpu_says_how_to_dry_run(capsys):
         gpu.main([])
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and "--dry-run" in err and len(err.splitlines()) == 1
+
+
+def test_the_bare_step_the_trainer_measured_is_the_dit_b_tread_row():
+    """With `--sections trainer` alone the trainer measures the bare DiT-B/2 TREAD step itself: the report shows it as
+    that row and decides that row's goal with it (the H100 run of 48e6353 printed it but left the goal 'not measured')."""
+    bare = {"backbone": "dit", "preset": "B", "tokens": 256, "channels": 3, "policy": "random", "route": "r2->8 x0.5",
+            "batch": 128, "compile": "model", "cuda_graphs": False, "ms_unrouted": 53.4, "ms_routed": 39.5, "ideal": 1.43,
+            "measured": 1.35, "efficiency": 0.95, "mfu_unrouted": 0.337, "mfu_routed": 0.319, "compile_s": 68.0, "graphs": 2}
+    row = {"section": "trainer", "command": "python -m train ...", "trainer_images_per_s": 3243.0, "bare_images_per_s": 3237.0,
+           "ratio": 1.0, "bare_step": {"section": "dit-B-tread", **bare}}
+    sections = [{"name": "trainer", "title": "python -m train against the bare step", "kind": "trainer", "status": "measured",
+                 "seconds": 148.0, "note": "bare step measured here", "records": [row]}]
+    decided = {g["goal"]: g for g in gpu_report.goals(sections, dry_run=False)}
+    assert decided["DiT-B/2 TREAD: routed efficiency >= 0.9"] == {"goal": "DiT-B/2 TREAD: routed efficiency >= 0.9",
+                                                                  "measured": "0.95", "met": True}
+    assert decided["DiT-XL/2 TREAD: routed efficiency >= 0.9"]["met"] is None
+    report = {"environment": {"device": "H100", "torch": "2.11", "cuda": "13.0", "triton": "3.6", "python": "3.12", "commit": "x"},
+              "sections": sections, "goals": list(decided.values()), "dry_run": False, "command": "python -m train.bench.gpu",
+              "date": "today", "bf16": True, "compile": "model", "cuda_graphs": False, "budget_s": 200.0, "seconds": 148.0}
+    md = gpu_report.markdown(report)
+    assert "## Training steps (train.bench.routing)" in md and "| dit-B-tread | dit-B/2 (256 tokens, 3 ch) | random r2->8 x0.5 |" in md
+    assert "| `python -m train ...` | 3243 | 3237 | 1.00 |" in md

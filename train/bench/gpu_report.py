@@ -48,7 +48,7 @@ def _commit() -> str | None:
 def goals(sections: list[dict], dry_run: bool) -> list[dict]:
     """The issue goals the rows decide (36: the scans; 37: the step and the trainer), read by section name. Each is
     met, missed, or not measured (None); a dry run's tiny shapes decide none of them."""
-    measured = [r for s in sections if s["status"] == "measured" for r in s["records"] if "error" not in r]
+    measured = [r for s in sections if s["status"] == "measured" for r in _records(s) if "error" not in r]
     rows = {r["section"]: r for r in measured}  # one row per section, except the kernels'
     kernels = {(r["kernel"], r["precision"]): r for r in measured if "ms_fwd_bwd" in r}
 
@@ -116,6 +116,15 @@ def _goal(row: dict) -> str:
         return "-"
     verdict = "not decided" if row["goal_met"] is None else ("met" if row["goal_met"] else "**missed**")
     return f"{verdict} (<= {row['goal_ms']} ms)"
+
+
+def _records(section: dict) -> list[dict]:
+    """A section's records, with the bare DiT-B/2 TREAD step the trainer section measured when that row did not run."""
+    return section["records"] + [r["bare_step"] for r in section["records"] if "bare_step" in r]
+
+
+def _table_kind(section: dict, record: dict) -> str:
+    return "steps" if record.get("section") == "dit-B-tread" else section["kind"]
 
 
 def _verdict(passed: bool) -> str:
@@ -203,7 +212,7 @@ def markdown(report: dict) -> str:
         met = "-" if g["met"] is None else ("yes" if g["met"] else "**no**")
         lines.append(f"| {g['goal']} | {g['measured'] or 'not measured'} | {met} |")
     for kind, heading in HEADINGS.items():
-        records = [r for s in sections if s["kind"] == kind for r in s["records"]]
+        records = [r for s in sections for r in _records(s) if _table_kind(s, r) == kind]
         if not records:
             continue
         header, fmt = TABLES[kind]
