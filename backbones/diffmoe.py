@@ -37,6 +37,9 @@ class Block(DiTBlock):
     """A DiT block whose MLP is a `MoE` (or stays dense: mode `dense`, or an even block under `interleave`)."""
 
     needs_grid = False
+    # Its MoE records aux losses, loads and threshold updates as it runs: side effects that a nested compile region's
+    # body cannot hold (trainer.compile_regions refuses the family).
+    records_in_forward = True
 
     def __init__(
         self,

@@ -51,6 +51,9 @@ class Router:
         self.fp32_after_route = fp32_after_route
         # Gradient checkpointing: each block's activations are recomputed in the backward pass instead of kept.
         self.checkpointing = checkpointing
+        # Each block a nested compile region under torch.compile (set by trainer.compile_regions): traced and compiled
+        # once per distinct input, then reused by every block like it. A no-op in eager mode.
+        self.regions = False
         # Draws of forwards outside training (sampling, routed guidance, adapters' callers); training uses set_draws.
         self.generator: torch.Generator | None = None
         # The sequence length the routes see (set by the backbone), so that set_draws can draw before the forward.
@@ -202,9 +205,11 @@ class Router:
     def _block(self, block, x, c, grid):
         """block(x, c, grid); under gradient checkpointing, recomputed in the backward pass (one wrapper for every
         block of every stack, routed or not)."""
+        # A hooked block (an aligned layer's capture) runs inline: a region's body must have no side effects.
+        run = _call_region if self.regions and not (block._forward_hooks or block._forward_pre_hooks) else _call
         if self.checkpointing and torch.is_grad_enabled():
-            return checkpoint(block, x, c, grid, use_reentrant=False)
-        return block(x, c, grid)
+            return checkpoint(run, block, x, c, grid, use_reentrant=False)
+        return run(block, x, c, grid)
 
     def _run_route(self, blocks, route: Route, x, c, grid, force_keep=None, draws=(None, None)):
         index, x_sub = self._gather_and_run(blocks, route, x, c, grid, force_keep, draws[0])
@@ -284,3 +289,11 @@ def routed_flops(fn: Callable[[], object], router: Router, selection_ratio: floa
     with router.forced(0.0):
         unrouted = count_flops(fn)
     return routed, unrouted
+
+
+def _call(block, x, c, grid):
+    return block(x, c, grid)
+
+
+# torch >= 2.8 (hierarchical compilation); trainer.compile_regions refuses older versions (train/compiling.py).
+_call_region = torch.compiler.nested_compile_region(_call) if hasattr(torch.compiler, "nested_compile_region") else _call

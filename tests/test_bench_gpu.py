@@ -217,7 +217,7 @@ def test_a_scan_family_that_does_not_compile_is_measured_a_lesser_way(monkeypatc
             print("  [--compile [{off,blocks,model}]]\n  --cuda-graphs")
             raise SystemExit(0)
         mode = argv[argv.index("--compile") + 1]
-        asked.append(mode)
+        asked.append(mode + (" +regions" if "--compile-regions" in argv else ""))
         if mode != "off":
             raise RuntimeError(f"{mode}: graph break in the scan\nmore")
         return [{"preset": "S", "ms_routed": 1.0}]
@@ -225,9 +225,12 @@ def test_a_scan_family_that_does_not_compile_is_measured_a_lesser_way(monkeypatc
     monkeypatch.setattr(gpu_speed.routing, "main", fake_main)
     gpu_speed._routing_help.cache_clear()
     try:
-        row = gpu_speed.step_row("mamba", "S", "rows", 2, 4, 8, "cpu", False, "model", 1, 0, cuda_graphs=True, fall_back=True)
-        assert asked == ["model", "blocks", "off"] and row["compile"] == "off" and not row["cuda_graphs"]
-        assert row["note"] == ("compile=model with CUDA graphs failed (RuntimeError: model: graph break in the scan); "
+        row = gpu_speed.step_row("mamba", "S", "rows", 2, 4, 8, "cpu", False, "model", 1, 0, cuda_graphs=True, fall_back=True,
+                                 regions=True)
+        # Regions go with the asked mode only: the lesser modes are tried without them.
+        assert asked == ["model +regions", "blocks", "off"] and row["compile"] == "off" and not row["cuda_graphs"]
+        assert not row["regions"]
+        assert row["note"] == ("compile=model with regions with CUDA graphs failed (RuntimeError: model: graph break in the scan); "
                                "compile=blocks failed (RuntimeError: blocks: graph break in the scan); measured with compile=off")
         with pytest.raises(RuntimeError, match="graph break"):  # DiT rows do not fall back: a failure is the row's error
             gpu_speed.step_row("dit", "S", "random", 2, 4, 8, "cpu", False, "blocks", 1, 0)

@@ -238,3 +238,79 @@ def test_the_trainer_with_compile_model_trains_one_graph_as_eager(tmp_path, monk
     compiled = Trainer(compose_cfg(*common, "trainer.compile=model", f"run_dir={tmp_path / 'compiled'}")).fit()
     assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-5)
     assert compiled_graphs() - before == 1, "one graph for both micro-batches of every step"
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == "dit" else pytest.mark.slow) for c in ("dit", "mamba", "rwkv")])
+def test_compile_regions_reuse_one_block_graph_and_train_as_eager(case):
+    """trainer.compile_regions: the route's two blocks (same shape) are one nested region, traced once and called
+    twice in the single whole-model graph; the losses are the eager ones. (Dynamo inlines a region used once, so the
+    blocks before and after the route, one each here, stay inline.) The scan families' ops are inside the region."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, inputs)
+
+    eager_net = denoiser(case)
+    compiled_net = copy.deepcopy(eager_net)
+    eager, _ = train(eager_net, eager_net)
+    torch._dynamo.reset()
+    forward = compile_network(compiled_net, compiled_net.model, "model", regions=True, backend=backend)
+    losses, _ = train(compiled_net, forward)
+    assert losses == pytest.approx(eager, rel=1e-5, abs=1e-5)
+    assert len(graphs) == 1, "one whole-model graph, no break"
+    regions = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "invoke_subgraph" in str(n.target)]
+    assert len(regions) == 2 and len({n.args[1] for n in regions}) == 1, [n.args[:2] for n in regions]
+
+
+def test_compile_regions_leave_hooked_blocks_inline_and_refuse_other_modes(monkeypatch):
+    """A block with a forward hook (an aligned layer's capture) runs outside any region, whose body must have no side
+    effects; every other block goes through the region. Regions need the whole-model compile and a router."""
+    import routing.router as router_module
+
+    ran = []
+    monkeypatch.setattr(router_module, "_call_region", lambda block, *args: ran.append(block) or block(*args))
+    net = denoiser("dit")
+    blocks = net.model.blocks
+    blocks[1].register_forward_hook(lambda module, args, out: None)
+    net.model.router.regions = True
+    net(torch.randn(2, 1, 16, 16), torch.rand(2) + 0.1, torch.tensor([0, 1]))
+    assert [id(b) for b in ran] == [id(blocks[i]) for i in (0, 2, 3)]
+    with pytest.raises(ConfigError, match=r"trainer.compile_regions=true needs trainer.compile=model \(it is blocks\)"):
+        compile_network(net, net.model, "blocks", regions=True)
+    with pytest.raises(ConfigError, match="has no router"):
+        compile_network(net, torch.nn.Linear(2, 2), "model", regions=True)
+    stepped = torch.nn.Module()  # a router but no blocks: a fine-tuned model runs its steps
+    stepped.router = Router()
+    with pytest.raises(ConfigError, match="not to a fine-tuned model's steps"):
+        compile_network(net, stepped, "model", regions=True)
+    moe = denoiser("diffmoe")  # its blocks append aux losses as they run: dynamo fails inside a region
+    with pytest.raises(ConfigError, match="DiffMoE's blocks record"):
+        compile_network(moe, moe.model, "model", regions=True)
+    from train.trainer.setup import check_config
+
+    # The trainer refuses it before any work starts, naming both keys.
+    with pytest.raises(ConfigError, match=r"trainer.compile_regions=true needs trainer.compile=model \(it is off\)"):
+        check_config(compose_cfg("run_dir=/tmp/unused", "trainer.compile_regions=true"))
+    with pytest.raises(ConfigError, match="DiffMoE's blocks record"):
+        check_config(compose_cfg("run_dir=/tmp/unused", "backbone=diffmoe", "trainer.compile_regions=true", "trainer.compile=model"))
+    check_config(compose_cfg("run_dir=/tmp/unused", "trainer.compile_regions=true", "trainer.compile=model"))
+
+
+def test_the_bare_step_runs_fp32_matmuls_as_the_trainer_does():
+    """The benches' bare step and the trainer turn on TF32 on CUDA through one function, so the fp32 block after a
+    route is timed as it trains; on the CPU nothing changes."""
+    from train.compiling import tf32_matmuls
+
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = matmul.allow_tf32, cudnn.allow_tf32
+    try:
+        matmul.allow_tf32 = cudnn.allow_tf32 = False
+        tf32_matmuls("cpu")
+        assert not matmul.allow_tf32 and not cudnn.allow_tf32
+        tf32_matmuls(torch.device("cuda"))
+        assert matmul.allow_tf32 and cudnn.allow_tf32
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32 = saved

@@ -6,6 +6,11 @@
 - model: the whole denoiser in one graph: preconditioning, embedders, each route's gather and scatter, SPRINT's
   fusion and the blocks. Route draws are made before the forward (`Router.set_draws`) and enter the graph as an
   input, and route subset sizes are static for a config, so nothing recompiles from step to step.
+- compile_regions (with model): every block is a nested compile region (torch.compiler.nested_compile_region), so
+  the whole-model graph compiles each distinct block once (per token count, autocast state, per-layer constant)
+  and calls that code for the others, so compile time follows the distinct blocks rather than the depth. Inductor
+  cannot fuse across a region's border (one block's last add with the next one's norm). DiffMoE and fine-tuned
+  models are refused (_NO_REGIONS).
 - cuda_graphs (with model, on CUDA): the compiled forward and backward are captured as CUDA graphs (inductor's
   cudagraph trees) and replayed, which removes the launch overhead of small kernels (SPRINT's sparse middle, small
   models). Inputs that are not weights (the batch, the route draws) are copied into the graphs' static buffers
@@ -56,7 +61,7 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def compile_network(net: nn.Module, backbone: nn.Module, mode, cuda_graphs: bool = False, *,
+def compile_network(net: nn.Module, backbone: nn.Module, mode, cuda_graphs: bool = False, *, regions: bool = False,
                     log: Callable[[str], None] = print, backend: str = "inductor") -> Callable:
     """What the trainer calls in place of `net` (the objective's wrapper around `backbone`), as trainer.compile says.
 
@@ -64,9 +69,12 @@ def compile_network(net: nn.Module, backbone: nn.Module, mode, cuda_graphs: bool
     net's signature that runs the compiled whole network; `net` is unchanged, so its state dict, the EMA copy and
     eval-mode sampling keep using the eager module. Call `backbone.router.set_draws` before each training forward:
     without it the routes draw from a torch.Generator inside the forward, which splits the graph at every route.
-    cuda_graphs that cannot be used print one line saying why, and the step runs without them.
+    cuda_graphs that cannot be used print one line saying why, and the step runs without them. `regions`
+    (trainer.compile_regions) makes each block of `backbone`'s router a nested compile region.
     """
     mode = compile_mode(mode)
+    if regions:
+        _use_regions(backbone, mode)
     if cuda_graphs:
         reason = _no_cuda_graphs(net, mode, backend)
         if reason:
@@ -167,6 +175,44 @@ def _no_cuda_graphs(net: nn.Module, mode: str, backend: str) -> str | None:
     if device.type != "cuda":
         return f"the model runs on the {device.type.upper()}, and CUDA graphs need a CUDA device"
     return None
+
+
+# The networks whose blocks cannot be regions, and why.
+_NO_REGIONS = {
+    "diffmoe": "DiffMoE's blocks record their aux losses and loads as they run, which a nested compile region cannot hold",
+    "fine-tuned": "it applies to the blocks of the backbones trained from scratch (dit, rwkv, mamba), not to a fine-tuned "
+                  "model's steps",
+    "no router": "it applies to the blocks a router runs, and this network has no router",
+}
+
+
+def _use_regions(backbone: nn.Module, mode: str) -> None:
+    """trainer.compile_regions: refused where it cannot apply, else set on the backbone's router."""
+    blocks = getattr(backbone, "blocks", None)
+    kind = ("no router" if getattr(backbone, "router", None) is None else "fine-tuned" if blocks is None
+            else "diffmoe" if any(getattr(block, "records_in_forward", False) for block in blocks) else None)
+    check_regions(mode, kind)
+    backbone.router.regions = True
+
+
+def check_regions(mode: str, kind: str | None = None) -> None:
+    """trainer.compile_regions=true needs the whole-model compile, a torch with nested compile regions, and blocks that
+    can be regions (`kind`: a key of _NO_REGIONS, or None)."""
+    if kind is not None:
+        raise ConfigError(f"trainer.compile_regions=true cannot be used here: {_NO_REGIONS[kind]}; set trainer.compile_regions=false.")
+    if mode != "model":
+        raise ConfigError(f"trainer.compile_regions=true needs trainer.compile=model (it is {mode}); set trainer.compile=model "
+                          "or trainer.compile_regions=false.")
+    if not hasattr(torch.compiler, "nested_compile_region"):
+        raise ConfigError(f"trainer.compile_regions=true needs torch >= 2.8 (torch.compiler.nested_compile_region); this is "
+                          f"torch {torch.__version__}: upgrade torch or set trainer.compile_regions=false.")
+
+
+def tf32_matmuls(device) -> None:
+    """fp32 matmuls and convolutions on tensor cores (TF32) on CUDA, as the trainer and the official DiT's trainer run
+    them: the fp32 block after a route (routing.fp32_after_route) would otherwise run several times slower."""
+    if torch.device(device).type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 
 
 def _raise_recompile_limits(limit: int) -> None:

@@ -43,6 +43,7 @@ class Settings:
     warmup: int
     cuda_graphs: bool = False
     bf16: bool = True
+    regions: bool = False  # --compile-regions
     steps: dict = field(default_factory=dict)  # (backbone, preset, policy, batch, channels) -> measured row
     tread: Path | None = None  # a local copy of CompVis/tread's dit.py and routing_module.py (--tread)
 
@@ -89,7 +90,8 @@ def step(s: Settings, backbone: str, preset: str, policy: str, batch: int, chann
     from train.bench.gpu_speed import step_row
 
     row = step_row(backbone, s.preset(preset), policy, s.batch(batch), channels, s.size, str(_device(s)), s.bf16, s.compile,
-                   *_repeats(s, s.repeats, s.warmup), cuda_graphs=s.cuda_graphs, fall_back=backbone in ("rwkv", "mamba"))
+                   *_repeats(s, s.repeats, s.warmup), cuda_graphs=s.cuda_graphs, fall_back=backbone in ("rwkv", "mamba"),
+                   regions=s.regions)
     s.steps[backbone, preset, policy, batch, channels] = row
     return {"status": "measured", "records": [row], "note": row["note"]}
 
@@ -100,7 +102,7 @@ def trainer(s: Settings, remaining: float) -> dict:
 
     batch = s.batch(128)
     row = trainer_row(s.preset("B"), batch, s.size, 6 if s.dry_run else 60, 2 if s.dry_run else 10, s.bf16, s.compile,
-                      s.cuda_graphs, s.dry_run, timeout_s=max(remaining, 1.0))
+                      s.cuda_graphs, s.dry_run, timeout_s=max(remaining, 1.0), regions=s.regions)
     bare = s.steps.get(("dit", "B", "random", 128, 3))
     note = "bare step from the DiT-B/2 TREAD row"
     if bare is None:
@@ -119,7 +121,7 @@ def official(s: Settings) -> dict:
     argv = ["--tread", str(s.tread), "--presets", s.preset("XL"), "--batch", str(s.batch(64)), "--input-size", str(s.size),
             "--device", str(_device(s)), "--compile", s.compile, "--repeats", str(_repeats(s, s.repeats, s.warmup)[0]),
             "--warmup", str(_repeats(s, s.repeats, s.warmup)[1])]
-    argv += (["--bf16"] if s.bf16 else []) + (["--cuda-graphs"] if s.cuda_graphs else [])
+    argv += (["--bf16"] if s.bf16 else []) + (["--cuda-graphs"] if s.cuda_graphs else []) + (["--compile-regions"] if s.regions else [])
     try:
         (row,) = side_by_side(argv)
     except SystemExit as stop:  # its refusal (the message is above) must not end the whole check
@@ -196,6 +198,8 @@ def parse(argv: list[str] | None):
     p.add_argument("--cuda-graphs", action="store_true",
                    help="capture the compiled steps in CUDA graphs (with --compile model; train.bench.routing --cuda-graphs, "
                         "trainer.cuda_graphs=true)")
+    p.add_argument("--compile-regions", action="store_true",
+                   help="compile each distinct block once and reuse it (with --compile model; trainer.compile_regions=true)")
     p.add_argument("--repeats", type=bounded(int, 1, 1000, example="--repeats 10"), default=10, help="timed steps per row")
     p.add_argument("--warmup", type=bounded(int, 0, 100, example="--warmup 3"), default=3, help="untimed steps per row")
     p.add_argument("--tread", type=Path, default=None, metavar="DIR",
@@ -233,6 +237,10 @@ def parse(argv: list[str] | None):
                 f"(it offers {', '.join(routing_compile_modes()[0])})")
     if args.cuda_graphs and not routing_offers_cuda_graphs():
         p.error("--cuda-graphs is not offered by train.bench.routing in this version; drop it")
+    if args.dry_run:
+        args.compile_regions = False
+    elif args.compile_regions and args.compile != "model":
+        p.error(f"--compile-regions makes regions of the whole compiled network; use it with --compile model (not {args.compile})")
     if args.cuda_graphs and args.compile != "model":
         p.error(f"--cuda-graphs captures the whole compiled step; use it with --compile model (not {args.compile})")
     return args
@@ -245,18 +253,19 @@ def main(argv: list[str] | None = None) -> dict:
     from train.bench import gpu_report
     from train.bench.timing import now
 
-    s = Settings(args.device, args.dry_run, args.compile, args.repeats, args.warmup, args.cuda_graphs, tread=args.tread)
+    s = Settings(args.device, args.dry_run, args.compile, args.repeats, args.warmup, args.cuda_graphs, tread=args.tread,
+                 regions=args.compile_regions)
     if s.dry_run:
         torch.set_num_threads(1)  # tiny shapes gain nothing from threads, and lose much on a busy machine
     chosen = [x for x in sections(s) if args.sections is None or x.name in args.sections]
     env = gpu_report.environment(torch.device(args.device))
     print(f"GPU check on {env['device']}, torch {env['torch']}, Triton {env['triton']}, commit {env['commit']}; compile={s.compile}"
-          f"{' with CUDA graphs' if s.cuda_graphs else ''}, budget {args.budget_s:.0f} s{', dry run' if s.dry_run else ''}", flush=True)
+          f"{' with regions' if s.regions else ''}{' with CUDA graphs' if s.cuda_graphs else ''}, budget {args.budget_s:.0f} s{', dry run' if s.dry_run else ''}", flush=True)
     began = time.monotonic()
     results = run_sections(chosen, args.budget_s, dry_run=s.dry_run)
     report = {"command": "python -m train.bench.gpu " + " ".join(sys.argv[1:] if argv is None else argv), "date": now(),
               "dry_run": s.dry_run, "environment": env, "bf16": s.bf16, "compile": s.compile, "cuda_graphs": s.cuda_graphs,
-              "budget_s": args.budget_s, "seconds": time.monotonic() - began, "sections": results}
+              "compile_regions": s.regions, "budget_s": args.budget_s, "seconds": time.monotonic() - began, "sections": results}
     report["goals"] = gpu_report.goals(results, s.dry_run)
     md, js = gpu_report.write(args.out, report)
     print(f"wrote {md} and {js}", flush=True)

@@ -127,6 +127,11 @@ def _table_kind(section: dict, record: dict) -> str:
     return "steps" if record.get("section") == "dit-B-tread" else section["kind"]
 
 
+def _mode(row: dict) -> str:
+    """The compile column: the mode, with regions and CUDA graphs where the row used them."""
+    return f"{row['compile']}{' +regions' if row.get('regions') else ''}{' +graphs' if row['cuda_graphs'] else ''}"
+
+
 def _verdict(passed: bool) -> str:
     return "pass" if passed else "**FAIL**"
 
@@ -152,7 +157,7 @@ TABLES = {
     "steps": ("| row | model | recipe | batch | compile | ms unrouted | ms routed | ideal speedup | measured | efficiency | "
               "MFU unrouted | MFU routed | compile s (graphs) |",
               lambda r: f"| {r['section']} | {r['backbone']}-{r['preset']}/2 ({r['tokens']} tokens, {r['channels']} ch) | {r['policy']} {r['route']} | "
-                        f"{r['batch']} | {r['compile']}{' +graphs' if r['cuda_graphs'] else ''} | {r['ms_unrouted']:.1f} | {r['ms_routed']:.1f} | {r['ideal']:.2f}x | "
+                        f"{r['batch']} | {_mode(r)} | {r['ms_unrouted']:.1f} | {r['ms_routed']:.1f} | {r['ideal']:.2f}x | "
                         f"{r['measured']:.2f}x | {r['efficiency']:.2f} | {_f(r['mfu_unrouted'], '.1%')} | "
                         f"{_f(r['mfu_routed'], '.1%')} | {_f(r['compile_s'], '.0f')} ({_f(r['graphs'], 'd')}) |"),
     "kernel_speed": ("| kernel | precision | shape | Triton fwd ms | Triton fwd+bwd ms | PyTorch op fwd+bwd ms | speedup | "
@@ -163,8 +168,8 @@ TABLES = {
                                f"{_goal(r)} | {_tuned_cell(r.get('tuned', {}))} |"),
     "official": ("| model | route | batch | compile | official ms unrouted | ours ms unrouted | official ms routed | ours ms routed | "
                  "ours / official routed | MFU ours routed | compile s (graphs) | official first steps s | official copy (sha256) |",
-                 lambda r: f"| DiT-{r['preset']}/2 ({r['tokens']} tokens) | {r['route']} | {r['batch']} | {r['compile']}"
-                           f"{' +graphs' if r['cuda_graphs'] else ''} | {r['ms_official_unrouted']:.1f} | {r['ms_ours_unrouted']:.1f} | "
+                 lambda r: f"| DiT-{r['preset']}/2 ({r['tokens']} tokens) | {r['route']} | {r['batch']} | {_mode(r)} | "
+                           f"{r['ms_official_unrouted']:.1f} | {r['ms_ours_unrouted']:.1f} | "
                            f"{r['ms_official_routed']:.1f} | {r['ms_ours_routed']:.1f} | {r['ratio_routed']:.2f}x | "
                            f"{_f(r['mfu_routed'], '.1%')} | {_f(r['compile_s'], '.0f')} ({_f(r['graphs'], 'd')}) | {r['official_first_s']:.1f} | "
                            f"{r.get('official_sha256', '-')} |"),
@@ -202,7 +207,8 @@ def markdown(report: dict) -> str:
     lines = [f"# GPU check: {env['device']}{' (dry run: tiny shapes on the CPU)' if report['dry_run'] else ''}", "",
              f"`{report['command']}`, {report['date']}", "",
              f"- torch {env['torch']} (CUDA {env['cuda']}), Triton {env['triton']}, Python {env['python']}, commit {env['commit']}",
-             f"- bf16 autocast: {report['bf16']}; compile mode: {report['compile']}{' with CUDA graphs' if report['cuda_graphs'] else ''}; budget {report['budget_s']:.0f} s, "
+             f"- bf16 autocast: {report['bf16']}; compile mode: {report['compile']}{' with regions' if report.get('compile_regions') else ''}"
+             f"{' with CUDA graphs' if report['cuda_graphs'] else ''}; budget {report['budget_s']:.0f} s, "
              f"used {report['seconds']:.0f} s", "", "## Sections", ""]
     for s in sections:
         lines.append(f"- {s['title']}: **{s['status']}**" + (f" in {s['seconds']:.0f} s" if s["seconds"] is not None else "")

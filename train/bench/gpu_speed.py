@@ -96,10 +96,11 @@ def trainer_compile_overrides(mode: str, cuda_graphs: bool = False) -> list[str]
 
 
 def step_row(backbone: str, preset: str, policy: str, batch: int, channels: int, size: int, device: str, bf16: bool,
-             compile_mode: str, repeats: int, warmup: int, cuda_graphs: bool = False, fall_back: bool = False) -> dict:
+             compile_mode: str, repeats: int, warmup: int, cuda_graphs: bool = False, fall_back: bool = False,
+             regions: bool = False) -> dict:
     """One row of train.bench.routing (its own measure(): FLOPs, ms, efficiency, MFU), with what was asked.
     `fall_back`: when the compiled run fails, try the next lesser mode (model, then blocks, then eager), and say
-    why in `note` ("compiled where they compile")."""
+    why in `note` ("compiled where they compile"). `regions`: --compile-regions with the first try."""
     argv = ["--backbone", backbone, "--presets", preset, "--policy", policy, "--batch", str(batch), "--channels", str(channels),
             "--input-size", str(size), "--patch", "2", "--device", device, "--repeats", str(repeats), "--warmup", str(warmup)]
     argv += ["--bf16"] if bf16 else []
@@ -107,15 +108,17 @@ def step_row(backbone: str, preset: str, policy: str, batch: int, channels: int,
     tries = [(compile_mode, cuda_graphs)] + ([(m, False) for m in modes[modes.index(compile_mode) + 1:]] if fall_back else [])
     notes = []
     for mode, graphs in tries:
+        regional = regions and (mode, graphs) == tries[0]
         try:
-            (row,) = _routing(argv + routing_compile_argv(mode, graphs))
+            (row,) = _routing(argv + routing_compile_argv(mode, graphs) + (["--compile-regions"] if regional else []))
             break
         except Exception as err:  # noqa: BLE001 - a family that does not compile is measured a lesser way, with the reason
             if (mode, graphs) == tries[-1]:
                 raise
-            notes.append(f"compile={mode}{' with CUDA graphs' if graphs else ''} failed ({type(err).__name__}: {first_line(err)})")
+            notes.append(f"compile={mode}{' with regions' if regional else ''}{' with CUDA graphs' if graphs else ''} failed ({type(err).__name__}: {first_line(err)})")
             torch._dynamo.reset()  # the failed attempt's graphs must not be reused by the next one
     return {**row, "backbone": backbone, "policy": policy, "channels": channels, "bf16": bf16, "compile": mode, "cuda_graphs": graphs,
+            "regions": regional,
             "note": "; ".join(notes + ([f"measured with compile={mode}"] if notes else []))}
 
 
@@ -238,7 +241,7 @@ def launch_profile(call, device: torch.device, top: int = 10) -> list[dict]:
 
 
 def trainer_row(preset: str, batch: int, size: int, steps: int, log_every: int, bf16: bool, compile_mode: str, cuda_graphs: bool,
-                dry_run: bool, timeout_s: float) -> dict:
+                dry_run: bool, timeout_s: float, regions: bool = False) -> dict:
     """`python -m train` (a fresh process, as a user runs it) on shapes with TREAD's random routing: images/s over
     the logged steps after the first logged one (which holds compilation and warm-up), from the log's wall time."""
     with tempfile.TemporaryDirectory(prefix="gpu_check_train_") as tmp:
@@ -246,6 +249,7 @@ def trainer_row(preset: str, batch: int, size: int, steps: int, log_every: int, 
                 f"trainer.batch_size={batch}", f"trainer.max_steps={steps}", f"trainer.log_every={log_every}",
                 "trainer.sample_every=0", "trainer.ckpt_every=0", "trainer.log_with=none",
                 f"trainer.mixed_precision={'bf16' if bf16 else 'no'}", *trainer_compile_overrides(compile_mode, cuda_graphs),
+                *(["trainer.compile_regions=true"] if regions else []),
                 f"run_dir={tmp}/run"]
         argv += ["trainer.cpu=true", "data.num_images=64"] if dry_run else []
         env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if dry_run else {})}

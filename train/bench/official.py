@@ -156,7 +156,8 @@ def measure(args, preset: str, module: ModuleType) -> dict:
     flops = {"unrouted": count_flops(ours_unrouted, grad=True), "routed": count_flops(ours_routed, grad=True)}
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
     if args.compile != "off":
-        compiled["net"] = compile_network(net, model, args.compile, args.cuda_graphs)
+        compiled["net"] = compile_network(net, model, args.compile, args.cuda_graphs, regions=args.compile_regions)
+        plain_router.regions = router.regions  # the routers take turns: the unrouted graph's blocks are regions too
     before = compiled_graphs()
     first = {"ours": _first_steps((ours_unrouted, ours_routed), autocast, device)}
     graphs = compiled_graphs() - before  # ours only: the official blocks compile in the next call
@@ -171,7 +172,7 @@ def measure(args, preset: str, module: ModuleType) -> dict:
     row = {"preset": preset, "tokens": model.grid[0] * model.grid[1], "batch": args.batch, "built": built,
            "route": f"r{route.start_layer_idx}->{route.end_layer_idx} x{route.selection_ratio}",
            "params_official": _trained(dit), "params_ours": _trained(model), "fp32_after_route": router.fp32_after_route,
-           "compile": args.compile, "cuda_graphs": args.cuda_graphs, "compile_s": first["ours"] if args.compile != "off" else None,
+           "compile": args.compile, "cuda_graphs": args.cuda_graphs, "regions": args.compile_regions, "compile_s": first["ours"] if args.compile != "off" else None,
            "graphs": graphs if args.compile != "off" else None, "official_first_s": first["official"]}
     for kind in ("unrouted", "routed"):
         row[f"ms_official_{kind}"] = seconds[f"official {kind}"] * 1e3
@@ -209,6 +210,7 @@ def parse(argv=None):
                    help="how ours runs: off; blocks (each block, as trainer.compile=blocks); model (the whole denoiser). "
                         "The official blocks compile themselves (their @torch.compile)")
     p.add_argument("--cuda-graphs", action="store_true", help="capture our compiled step in CUDA graphs (with --compile model on CUDA)")
+    p.add_argument("--compile-regions", action="store_true", help="each of our blocks a nested compile region, compiled once (with --compile model)")
     p.add_argument("--peak-tflops", type=float, default=None, help="the card's dense bf16 peak, for MFU (default: known cards)")
     return p.parse_args(argv)
 
@@ -228,7 +230,7 @@ def main(argv=None) -> list[dict]:
     where = torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else f"cpu, threads={torch.get_num_threads()}"
     print(f"DiT side by side with CompVis/tread's (from {Path(args.tread).expanduser()}, files sha256 {fingerprint(args.tread)}) | "
           f"{where} | bf16={args.bf16} | "
-          f"ours: compile={args.compile}{' +cuda graphs' if args.cuda_graphs else ''} | official: {theirs} | torch {torch.__version__}")
+          f"ours: compile={args.compile}{' +regions' if args.compile_regions else ''}{' +cuda graphs' if args.cuda_graphs else ''} | official: {theirs} | torch {torch.__version__}")
     header = "| model | route | batch | step | official ms | ours ms | ours / official | MFU ours |"
     rows = []
     for preset in args.presets:

@@ -8,7 +8,8 @@ Each preset is built twice from the same weights, once with `configs/routing/non
 chosen policy's YAML (TREAD's default route r2->depth-4, ratio 0.5); steps are timed interleaved, the routed
 one drawing its routes before the forward from a per-step generator, as the trainer does (Router.set_draws).
 --compile blocks (or --compile alone) compiles every block as `trainer.compile=blocks` does; --compile model the
-whole denoiser as `trainer.compile=model`; --cuda-graphs adds `trainer.cuda_graphs`. The first routed and unrouted
+whole denoiser as `trainer.compile=model`; --cuda-graphs adds `trainer.cuda_graphs`, --compile-regions
+`trainer.compile_regions`. The first routed and unrouted
 steps (compilation) are timed apart and the number of graphs is printed. On CUDA the table adds model FLOPs
 utilization: counted FLOPs / step time / the card's dense bf16 peak (--peak-tflops, or known from its name).
 """
@@ -87,7 +88,8 @@ def measure(args, preset: str) -> dict:
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
     compile_seconds, graphs = None, None
     if args.compile != "off":
-        compiled["net"] = compile_network(net, model, args.compile, args.cuda_graphs)
+        compiled["net"] = compile_network(net, model, args.compile, args.cuda_graphs, regions=args.compile_regions)
+        plain_router.regions = router.regions  # the routers take turns: the unrouted graph's blocks are regions too
         before = compiled_graphs()
         tic = time.perf_counter()
         with autocast:
@@ -130,13 +132,14 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--compile", nargs="?", const="blocks", default="off", choices=MODES,
                    help="off; blocks (each block compiled, as trainer.compile=blocks; --compile alone); model (the whole denoiser)")
     p.add_argument("--cuda-graphs", action="store_true", help="capture the compiled step in CUDA graphs (with --compile model on CUDA)")
+    p.add_argument("--compile-regions", action="store_true", help="each block a nested compile region, compiled once (with --compile model)")
     p.add_argument("--peak-tflops", type=float, default=None, help="the card's dense bf16 peak, for MFU (default: known cards)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     where = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"cpu, threads={torch.get_num_threads()}"
-    print(f"{args.backbone} | policy={args.policy} | {where} | bf16={args.bf16} | compile={args.compile}{' +cuda graphs' if args.cuda_graphs else ''} | torch {torch.__version__}")
+    print(f"{args.backbone} | policy={args.policy} | {where} | bf16={args.bf16} | compile={args.compile}{' +regions' if args.compile_regions else ''}{' +cuda graphs' if args.cuda_graphs else ''} | torch {torch.__version__}")
     header = ("| preset | tokens | batch | route | GFLOPs unrouted | GFLOPs routed | ideal speedup | ms unrouted | ms routed | "
               "measured speedup | efficiency | MFU unrouted | MFU routed | compile s (graphs) |")
     print(header)

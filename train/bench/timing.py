@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from edm import EDM, Objective
+from train.compiling import tf32_matmuls
 
 
 def training_step(net, batch: int, shape, num_classes: int, device, seed: int = 0, lr: float = 1e-4,
@@ -29,6 +30,7 @@ def training_step(net, batch: int, shape, num_classes: int, device, seed: int = 
     u = torch.rand(batch, generator=g).to(device) if align is not None else None  # drawn last: the other draws stay as they were
     params = list(net.parameters()) + (list(align.parameters()) if align is not None else [])
     optimizer = torch.optim.AdamW(params, lr=lr, fused=torch.device(device).type == "cuda")  # as the trainer
+    tf32_matmuls(device)  # as the trainer (the H100 side-by-side at 48e6353 ran its fp32 block after the route without)
 
     def loss() -> torch.Tensor:
         out = objective.loss(net, y, labels, t, noise).mean()

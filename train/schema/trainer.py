@@ -44,6 +44,8 @@ class TrainerConfig:
     # Configs written before the modes existed said true (blocks) or false (off); both still mean that.
     compile: Any = key("off", "torch.compile: off | blocks (each block compiled) | model (the whole denoiser in one graph)",
                        choices=("off", "blocks", "model", True, False), example="model")
+    compile_regions: bool = key(False, "with trainer.compile=model, compile each distinct block once and reuse it for the blocks like "
+                                "it (torch.compiler.nested_compile_region): shorter compiles for deep models")
     cuda_graphs: bool = key(False, "capture the compiled step as CUDA graphs (needs trainer.compile=model and a CUDA GPU; "
                             "otherwise one line says why and the step runs without them)")
     log_every: int = key(10, "steps between metrics.jsonl lines", ge=1, example=100)

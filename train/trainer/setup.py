@@ -20,6 +20,7 @@ from torch import nn
 
 from routing import ConfigError
 from train.build import build_ema, build_net, compile_mode, compile_network, finetune_family, objective_for, routed_blocks, time_shift
+from train.compiling import check_regions, tf32_matmuls
 from train.checkpoint import recover_checkpoints
 from train.data import build_dataset
 from train.data.prefetch import Prefetcher
@@ -62,6 +63,9 @@ def check_config(cfg: DictConfig, num_processes: int = 1, device: torch.device |
         if cfg.fid.every:
             raise ConfigError(f"{fsdp} runs no FID during training (the processes would sample unequal shares through one sharded "
                               "model); set fid.every=0 and score a checkpoint with python -m train.fid.")
+    if t.get("compile_regions"):
+        kind = "fine-tuned" if finetune_family(cfg) else "diffmoe" if cfg.backbone.name == "diffmoe" else None
+        check_regions(compile_mode(t.get("compile")), kind)
     per_step = num_processes * t.grad_accum
     if t.batch_size % per_step:
         raise ConfigError(
@@ -118,8 +122,7 @@ class SetUp:
         self.objective = objective_for(cfg)
         # Fine-tuning may shift the training draws towards noise (SD3's fixed shift, Flux's per resolution); None: unshifted.
         self.train_shift = time_shift(cfg, "train", self.backbone.patch) if finetune_family(cfg) else None
-        if self.acc.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # fp32 matmuls on tensor cores
+        tf32_matmuls(self.acc.device)
         # Fused AdamW: one launch for every parameter, and `found_inf`, which lets the divergence guard skip a step
         # on the device (guard.py). Only trained parameters (all from scratch; the LoRA when fine-tuning) get state.
         # The projector (align=repa|self) is a second group: under FSDP it joins after accelerate has switched the model's
@@ -149,7 +152,7 @@ class SetUp:
         # the step calls: the network, or its whole compiled graph (trainer.compile=model), which `net` stays beside.
         self.compile_mode = compile_mode(t.get("compile"))
         self.forward = compile_network(self.net, self.backbone, self.compile_mode, bool(t.get("cuda_graphs", False)),
-                                       log=self.acc.print)
+                                       regions=bool(t.get("compile_regions", False)), log=self.acc.print)
         self.compile_report_pending = self.compile_mode != "off"
         self.step = 0
         self.in_loop = False  # outside fit every step is read at once
