@@ -212,7 +212,10 @@ def parse(argv=None):
     p.add_argument("--cuda-graphs", action="store_true", help="capture our compiled step in CUDA graphs (with --compile model on CUDA)")
     p.add_argument("--compile-regions", action="store_true", help="each of our blocks a nested compile region, compiled once (with --compile model)")
     p.add_argument("--peak-tflops", type=float, default=None, help="the card's dense bf16 peak, for MFU (default: known cards)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.compile_regions and args.compile != "model":
+        p.error(f"--compile-regions makes regions inside the whole compiled network; add --compile model (not {args.compile})")
+    return args
 
 
 def main(argv=None) -> list[dict]:

@@ -135,6 +135,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--compile-regions", action="store_true", help="each block a nested compile region, compiled once (with --compile model)")
     p.add_argument("--peak-tflops", type=float, default=None, help="the card's dense bf16 peak, for MFU (default: known cards)")
     args = p.parse_args(argv)
+    if args.compile_regions and args.compile != "model":
+        p.error(f"--compile-regions makes regions inside the whole compiled network; add --compile model (not {args.compile})")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
