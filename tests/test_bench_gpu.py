@@ -35,6 +35,7 @@ def test_dry_run_writes_every_section(tmp_path, capsys):
     # Every kernel row names the config each autotuned kernel it ran picked (the interpreter has one config each).
     tuned = {r["kernel"]: r["tuned"] for s in saved["sections"] if s["name"] == "kernel-speed" for r in s["records"]}
     assert set(tuned["selective scan"]) == {"fwd_kernel", "bwd_kernel"} and len(tuned["Bi-WKV"]) == 4
+    assert set(tuned["selective scan, 64-step chunks"]) == {"fwd_kernel", "bwd_kernel"}  # TREAD_SCAN_CHUNK=64 beside it
     assert all(t["picked"].startswith("BLOCK_") and t["ms"] == {} for k in tuned.values() for t in k.values())
     assert "fwd_kernel: BLOCK_D=" in md
     # And where one forward+backward's time goes, launch by launch (the CPU's ops in a dry run).

@@ -46,10 +46,11 @@ def test_refuses_under_the_interpreter():
 
 @pytest.mark.slow
 def test_forward_scan_configs_compile_for_sm90_without_spills(tmp_path):
-    """The Mamba block's forward (bf16; D, delta_bias, softplus): every autotune config, ~7 s."""
+    """The Mamba block's forward (bf16; D, delta_bias, softplus): every autotune config of both chunk lengths, ~10 s."""
     result, rows = _compile(tmp_path, "--kernels", "scan.fwd", "--dtypes", "bf16", "--flags", "model")
-    _check(result, rows, expected=4)
-    assert {r[2] for r in rows} == {"BLOCK_D=2 w4 s3", "BLOCK_D=4 w4 s3", "BLOCK_D=4 w8 s3", "BLOCK_D=8 w16 s3"}
+    _check(result, rows, expected=4 + 3)  # the 256-step chunk's configs, then the 64-step chunk's
+    assert {r[2] for r in rows} == {"BLOCK_D=2 w4 s3", "BLOCK_D=4 w4 s3", "BLOCK_D=4 w8 s3", "BLOCK_D=8 w16 s3",
+                                    "BLOCK_D=1 w1 s3", "BLOCK_D=2 w1 s3", "BLOCK_D=4 w2 s3"}
 
 
 @pytest.mark.slow
@@ -65,8 +66,9 @@ def test_wkv_walks_are_unrolled_for_sm90(tmp_path):
 def test_every_kernel_config_compiles_for_sm90_without_spills(tmp_path):
     """Both ops, forward and backward, fp32 and bf16, scan flag sets none / model / all: ~1 min."""
     result, rows = _compile(tmp_path, timeout=1200)
-    # Scan: (4 forward + 2 backward configs) x 3 flag sets x 2 dtypes, less the wide backward with z (flag set all),
-    # which the pruner drops; WKV: (2 + 2 + 2 + 2) x 2 dtypes + 2 combines.
-    _check(result, rows, expected=(6 * 3 - 1) * 2 + 8 * 2 + 2)
+    # Scan, chunks of 256: (4 forward + 2 backward block configs x 3 CPPs) x 3 flag sets, less the wide backward with
+    # z (flag set all) at each CPP, which the pruner drops; chunks of 64: (3 + 2 x 3) x 3 flag sets, less the one-warp
+    # backward without flags (set none) at each CPP; both x 2 dtypes. WKV: (2 + 2 + 2 + 2) x 2 dtypes + 2 combines.
+    _check(result, rows, expected=((4 + 2 * 3) * 3 - 3 + (3 + 2 * 3) * 3 - 3) * 2 + 8 * 2 + 2)
     assert {r[0] for r in rows} == {"scan.fwd", "scan.bwd", "wkv.fwd_sums", "wkv.fwd", "wkv.bwd_sums", "wkv.bwd",
                                     "wkv.combine6", "wkv.combine10"}

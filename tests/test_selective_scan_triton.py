@@ -207,25 +207,72 @@ def test_state_carried_across_chunks(device, monkeypatch, chunk):
     _check(_inputs(2, 3, 21, 4, torch.float64, device), tol=1e-10)
 
 
-def test_layout_does_not_depend_on_the_tuned_config():
-    """Chunk length and backward's channels per program come from the shape alone, so forward's states and
-    backward's partial sums line up whichever BLOCK_D the autotuner picks (a multiple-of-BLOCK_D check)."""
+def test_layout_does_not_depend_on_the_tuned_config(monkeypatch):
+    """Chunk length comes from the shape alone, so forward's states line up whichever BLOCK_D the autotuner picks.
+    Backward's channels per program (CPP) are tuned: the candidates it may pick leave at most 8,192 programs and
+    are no wider than the group, every BLOCK_D divides every CPP, and the batch is in the tuning key."""
     assert sst.time_chunk(256) == 256 and sst.time_chunk(1024) == 256 and sst.time_chunk(9) == 16
-    assert sst.channels_per_program(64, 1, 768) == 64  # 768 programs at the reference shape
-    assert sst.channels_per_program(8, 1, 768) == 8  # fewer rows: smaller blocks keep the card busy
-    block_ds = {c.kwargs["BLOCK_D"] for c in sst.bwd_kernel.configs} | {bd for bd, _ in sst.BWD_CONFIGS}
-    assert all(8 % bd == 0 for bd in block_ds)
     if sst._INTERPRETED:  # the interpreter would run every config: one
         assert len(sst.fwd_kernel.configs) == len(sst.bwd_kernel.configs) == 1
+    monkeypatch.setattr(sst, "_INTERPRETED", False)  # the GPU's candidates, not the interpreter's one config
+    assert sst.backward_cpps(64, 1, 768) == (8, 16, 64)  # 6,144 / 3,072 / 768 programs at the reference shape
+    assert sst.backward_cpps(128, 1, 768) == (16, 64)  # CPP 8 would be 12,288 programs
+    assert sst.backward_cpps(4096, 1, 768) == (64,)  # none fits: the widest alone
+    assert sst.backward_cpps(2, 2, 10) == (8,) and sst.backward_cpps(2, 1, 32) == (8, 16)  # no wider than the group
+    block_ds = {c.kwargs["BLOCK_D"] for c in sst.bwd_kernel.configs} | {bd for bd, _ in sst.BWD_CONFIGS}
+    assert all(c % bd == 0 for bd in block_ds for c in sst.BWD_CPP)
+    assert "batch" in sst.bwd_kernel.keys
 
 
-def test_the_wide_backward_config_is_pruned_with_z():
-    """BLOCK_D 4 at 16 warps spills registers with z (kernel_compile, sm_90): the autotuner never times it then."""
+def test_backward_configs_are_pruned_by_shape_and_flags(monkeypatch):
+    """Only the CPPs `backward_cpps` keeps are timed, and BLOCK_D 4 at 16 warps, which spills registers with z
+    (kernel_compile, sm_90), only without z."""
     import triton
 
-    configs = [triton.Config({"BLOCK_D": bd}, num_warps=w) for bd, w in sst.BWD_CONFIGS]
-    assert sst._prune_backward(configs, {}, HAS_Z=False) == configs
-    assert [(c.kwargs["BLOCK_D"], c.num_warps) for c in sst._prune_backward(configs, {}, HAS_Z=True)] == [(2, 8)]
+    monkeypatch.setattr(sst, "_INTERPRETED", False)  # the GPU's candidates
+
+    configs = [triton.Config({"BLOCK_D": bd, "CPP": c}, num_warps=w)
+               for bd, w in sst.BWD_CONFIGS + sst.SHORT_BWD_CONFIGS for c in sst.BWD_CPP]
+    shape = {"batch": 64, "g": 1, "d": 768}
+    kept = {c.kwargs["CPP"] for c in sst._prune_backward(configs, shape, HAS_Z=False, CHUNK=256)}
+    assert kept == set(sst.backward_cpps(64, 1, 768))
+    assert {c.kwargs["CPP"] for c in sst._prune_backward(configs, {**shape, "batch": 4096}, HAS_Z=False, CHUNK=256)} == {64}
+    with_z = sst._prune_backward(configs, shape, HAS_Z=True, CHUNK=256)
+    assert {(c.kwargs["BLOCK_D"], c.num_warps) for c in with_z} == {(2, 8)} and len(with_z) == len(kept)
+    # Chunks of <= 64 steps take the 1-2 warp configs, longer ones the wide ones; the forward too. The one-warp
+    # backward spills without z and with fewer than two of D, delta_bias, softplus: pruned there.
+    block = {"HAS_D": True, "HAS_BIAS": True, "SOFTPLUS": True}  # the Mamba block's flags
+    assert {(c.kwargs["BLOCK_D"], c.num_warps) for c in sst._prune_backward(configs, shape, CHUNK=64, **block)} == \
+        set(sst.SHORT_BWD_CONFIGS)
+    assert {(c.kwargs["BLOCK_D"], c.num_warps) for c in sst._prune_backward(configs, shape, CHUNK=64, HAS_D=True)} == {(2, 2)}
+    forward = [triton.Config({"BLOCK_D": bd}, num_warps=w) for bd, w in sst.FWD_CONFIGS + sst.SHORT_FWD_CONFIGS]
+    assert {(c.kwargs["BLOCK_D"], c.num_warps) for c in sst._prune_forward(forward, {}, CHUNK=32)} == set(sst.SHORT_FWD_CONFIGS)
+    assert {(c.kwargs["BLOCK_D"], c.num_warps) for c in sst._prune_forward(forward, {}, CHUNK=128)} == set(sst.FWD_CONFIGS)
+
+
+@pytest.mark.parametrize("block_d, cpp", [(4, 8), (4, 16), (2, 8), (1, 8)])
+def test_every_tuned_block_gives_the_same_gradients(device, monkeypatch, block_d, cpp):
+    """dB and dC are summed from per-program partial rows: CPP 8 (four programs per group of 32 channels) and CPP 16
+    (two programs, in a buffer with CPP 8's four slots) both equal the fp64 reference. So do the short-chunk configs'
+    BLOCK_D 2 and 1, forward and backward, over 16-step chunks (l = 40: three chunks, the last padded)."""
+    import triton
+
+    monkeypatch.setattr(sst.fwd_kernel, "configs", [triton.Config({"BLOCK_D": block_d}, num_warps=1)])
+    monkeypatch.setattr(sst.bwd_kernel, "configs", [triton.Config({"BLOCK_D": block_d, "CPP": cpp}, num_warps=1)])
+    monkeypatch.setattr(sst, "backward_cpps", lambda b, g, k: (8,))  # slots for CPP 8, whichever runs
+    monkeypatch.setenv("TREAD_SCAN_CHUNK", "16")
+    _check(_inputs(2, 32, 40, 4, torch.float64, device), tol=1e-10)
+    assert sst.bwd_kernel.best_config.kwargs == {"BLOCK_D": block_d, "CPP": cpp}
+
+
+def test_a_chunk_length_outside_the_kernels_is_refused(monkeypatch):
+    from routing import ConfigError
+
+    monkeypatch.setenv("TREAD_SCAN_CHUNK", "100")
+    with pytest.raises(ConfigError, match=r"TREAD_SCAN_CHUNK='100' is not a chunk length .* 16, 32, 64, 128, 256"):
+        sst.time_chunk(256)
+    monkeypatch.setenv("TREAD_SCAN_CHUNK", "64")
+    assert sst.time_chunk(256) == 64 and sst.time_chunk(40) == 64 and sst.states_shape(2, 3, 256, 4) == (2, 3, 3, 4)
 
 
 def test_bfloat16_inputs(device):

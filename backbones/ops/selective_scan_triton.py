@@ -36,16 +36,23 @@ FMA, leaving the product's rounding error, times |A| ~ 1e4, in d delta), so the 
 third component that is a_t h_{t-1} itself: (a1, x1, s1) o (a2, x2, s2) = (a1 a2, a2 x1 + x2, a2 x1 + s2).
 
 dB and dC are sums over channels. Deterministically (no atomics): a backward program owns CPP channels
-(a multiple of every tuned BLOCK_D, fixed by the shape so the partial buffer does not depend on the
-tuned config), walks them BLOCK_D at a time and adds each block's sums into its own (n, l) partial row
-(L2-resident); torch sums the b * d / CPP partials. CPP is the largest of 8..64 that still gives >= 512
-programs, so the partials stay at about 1/8 of the (b, d, l) traffic.
+(a multiple of every BLOCK_D), walks them BLOCK_D at a time and adds each block's sums into its own (n, l)
+partial row (L2-resident); torch sums the b * d / CPP partials. The walk is a serial chain of
+CPP / BLOCK_D x n x 2 tile scans, and on the H100 that chain, not bytes, was the backward's time: 2.55 ms at
+CPP 64 (768 programs of 32 blocks, docs/gpu/h100-2026-11-26c). At one 8-warp program per SM (the 256-step
+configs) fewer channels per program leave each SM's chain as long as it was; with short chunks on 1-2 warps (below)
+about 13 programs share an SM, and CPP 8-16 gives them the programs to do so, at the price of more partial rows (at
+CPP 8 the dB, dC partials are 4 bytes x n / 8 per (b, d, l) element each). So CPP is tuned, among 8, 16 and 64,
+keeping those that leave at most 8,192
+programs (`backward_cpps`); the partial buffer has the slots of the smallest kept CPP and torch sums the slots
+the picked config wrote (`bwd_kernel.best_config`). The batch size is in the tuning key, since the kept CPPs
+depend on it.
 
-Autotune: forward chooses BLOCK_D and num_warps on first use per (d, l, n, flags, dtypes), backward between
-BLOCK_D 2 at 8 warps and BLOCK_D 4 at 16 (without z): the configs that compile for sm_90 without register spills
-at CHUNK 256 (`python -m train.bench.kernel_compile` prints registers and spills of every config). CHUNK and
-CPP are fixed by the shape, so the states forward stores and the partials backward writes never depend
-on the tuned config. Under TRITON_INTERPRET=1 each kernel has one small config.
+Autotune: forward chooses BLOCK_D and num_warps on first use per (d, l, n, flags, dtypes), backward BLOCK_D 2
+at 8 warps or BLOCK_D 4 at 16 (without z), each at every kept CPP: the block configs that compile for sm_90
+without register spills at CHUNK 256 (`python -m train.bench.kernel_compile` prints registers and spills of
+every config). CHUNK is fixed by the shape, so the states forward stores never depend on the tuned config.
+Under TRITON_INTERPRET=1 each kernel has one small config.
 
 Precision: fp32 state and sums for fp32 / bf16 / fp16 inputs (loaded in their dtype, widened in
 registers); fp64 inputs compute in fp64 (exp instead of exp2). Output in u's dtype, each gradient in
@@ -54,36 +61,48 @@ its input's dtype. Stability: with delta >= 0 and A < 0 every factor is in (0, 1
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 from torch.autograd.function import once_differentiable
 from triton.runtime.interpreter import InterpretedFunction
 
 from backbones.ops.autocast import fp32_operator
+from routing.errors import ConfigError
 # The @triton.jit kernels live beside this file; the combine functions are re-exported for the tests.
 from backbones.ops.selective_scan_triton_kernels import _compose, _compose_pre, _scan_bwd_kernel, _scan_fwd_kernel  # noqa: F401
 
 # Steps per chunk, the most: a (BLOCK_D, 256) tile per live value keeps forward's live tiles within registers
 # for BLOCK_D <= 4 and backward's ~20 for BLOCK_D <= 2 (ptxas, sm_90), and 256 tokens (the project's usual
-# sequence) take one chunk.
+# sequence) take one chunk. TREAD_SCAN_CHUNK=16..256 sets another (`max_chunk`): chunks of 64 or fewer run on 1-2
+# warps (SHORT_* configs), so a tile's scan stays inside a warp, with no barrier, and 13 or more programs share an SM.
+# The H100 measured the 256-step kernel's backward at one 8-warp program per SM, bound by the barriers of its scans
+# (docs/gpu/h100-2026-11-26c); the short chunks are the alternative, not yet timed on a GPU.
 MAX_CHUNK = 256
-# Backward programs wanted before channels per program (CPP) stops growing: ~4 per SM on an H100/H200.
-_MIN_BWD_PROGRAMS = 512
+CHUNKS = (16, 32, 64, 128, 256)
+SHORT_CHUNK = 64  # the longest chunk that the SHORT_* configs are for
+# Backward's channels per program (CPP), tuned: 64 was the fixed pick the H100 measured (768 programs at the
+# reference shape), 8 and 16 walk a shorter chain in 8x and 4x the programs. More than 8,192 programs (~62 per SM)
+# only adds partial rows: the walk is no longer the chain that bounds the kernel there.
+BWD_CPP = (8, 16, 64)
+_MAX_BWD_PROGRAMS = 8192
 
 
 # Under TRITON_INTERPRET=1 (read when the kernels are decorated) they run on CPU tensors, through numpy.
 _INTERPRETED = isinstance(_scan_fwd_kernel, InterpretedFunction)
 
 
-def _configs(shapes: tuple[tuple[int, int], ...]) -> list[triton.Config]:
-    """(BLOCK_D, num_warps) pairs as autotune configs."""
-    if _INTERPRETED:  # the interpreter would run every config; one small one exercises the same code
-        return [triton.Config({"BLOCK_D": 4}, num_warps=1)]
-    return [triton.Config({"BLOCK_D": bd}, num_warps=w) for bd, w in shapes]
+def _configs(shapes: tuple[tuple[int, int], ...], cpps: tuple[int, ...] = ()) -> list[triton.Config]:
+    """(BLOCK_D, num_warps) pairs as autotune configs, each at every CPP given (backward's channels per program)."""
+    if _INTERPRETED:  # the interpreter would run every config; one small one exercises the same code (CPP 8: two blocks)
+        return [triton.Config({"BLOCK_D": 4, **({"CPP": cpps[0]} if cpps else {})}, num_warps=1)]
+    return [triton.Config({"BLOCK_D": bd, **({"CPP": c} if c else {})}, num_warps=w) for bd, w in shapes for c in cpps or (None,)]
 
 
 # Keyed on the shape and the flags; the autotuner adds every tensor argument's dtype to the key itself.
 _KEY = ["d", "g", "L", "N", "HAS_D", "HAS_Z", "HAS_BIAS", "CHUNK"]
+_BWD_KEY = ["batch", *_KEY]  # the CPPs backward may pick depend on the batch (`backward_cpps`)
 # Only configs that compile for sm_90 without register spills at CHUNK = 256 (`python -m
 # train.bench.kernel_compile`, ptxas 12.9). At 4 and 8 warps, forward BLOCK_D 8 and 16 spill 52-688 bytes per
 # thread, backward BLOCK_D 4 spills 32-184 and BLOCK_D 8 332-1380, and backward BLOCK_D 2 at 4 warps 8-12 with the
@@ -92,34 +111,72 @@ _KEY = ["d", "g", "L", "N", "HAS_D", "HAS_Z", "HAS_BIAS", "CHUNK"]
 # drops; with Triton 3.6 (the H100 image) they spill 4 bytes (forward, every flag) and 24-32 (backward, the Mamba
 # block's flags), small enough to leave to the autotuner's timing. The one H100 run (docs/gpu/h100-2026-11-26b) found
 # both kernels bound by the latency of many small tile scans, so these larger tiles are candidates the autotuner
-# times, not a measured improvement. BLOCK_D must divide CPP (>= 8) in backward.
+# times, not a measured improvement. BLOCK_D must divide every CPP (>= 8) in backward.
 _WIDE_BACKWARD = (4, 16)  # (BLOCK_D, num_warps)
-FWD_CONFIGS = ((2, 4), (4, 4), (4, 8), (8, 16))  # (BLOCK_D, num_warps) on a GPU
+FWD_CONFIGS = ((2, 4), (4, 4), (4, 8), (8, 16))  # (BLOCK_D, num_warps) on a GPU, chunks of 128 and 256
 BWD_CONFIGS = ((2, 8), _WIDE_BACKWARD)
+# Chunks of <= 64 steps on 1-2 warps, compiled for sm_90 at CHUNK 64 with the Mamba block's flags
+# (`kernel_compile`): forward 61-124 registers; backward BLOCK_D 2 at 1 warp 147 registers and one barrier (between
+# channel blocks), at 2 warps 167. Backward BLOCK_D 1 at 1 warp spills 16 bytes, so it is not a candidate; nor is
+# BLOCK_D 2 at 1 warp without z and with fewer than two of D, delta_bias, softplus (`--flags every`: ptxas stops at
+# 168 registers there and spills 16-24 bytes; `_prune_backward` drops it).
+SHORT_FWD_CONFIGS = ((1, 1), (2, 1), (4, 2))
+_ONE_WARP_BACKWARD = (2, 1)
+SHORT_BWD_CONFIGS = (_ONE_WARP_BACKWARD, (2, 2))
+
+
+def _for_chunk(configs: list[triton.Config], chunk: int, short: tuple, wide: tuple) -> list[triton.Config]:
+    """The configs made for this chunk length: `short` (BLOCK_D, num_warps) pairs up to SHORT_CHUNK, else `wide`."""
+    allowed = short if chunk <= SHORT_CHUNK else wide
+    return [c for c in configs if (c.kwargs["BLOCK_D"], c.num_warps) in allowed]
+
+
+def _prune_forward(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    return _for_chunk(configs, kwargs["CHUNK"], SHORT_FWD_CONFIGS, FWD_CONFIGS)
 
 
 def _prune_backward(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """The backward configs that compile without spills for these flags: the wide one only without z."""
-    if not kwargs.get("HAS_Z"):
-        return configs
-    return [c for c in configs if (c.kwargs["BLOCK_D"], c.num_warps) != _WIDE_BACKWARD]
+    """The backward configs for this chunk, shape and these flags: the chunk's own block configs, CPPs that
+    `backward_cpps` keeps, and none that spills registers with these flags (the wide one with z, the one-warp one
+    with few flags)."""
+    cpps = backward_cpps(named_args["batch"], named_args["g"], named_args["d"] // named_args["g"])
+    spilling = {_WIDE_BACKWARD} if kwargs.get("HAS_Z") else set()
+    if not kwargs.get("HAS_Z") and kwargs.get("HAS_D", False) + kwargs.get("HAS_BIAS", False) + kwargs.get("SOFTPLUS", False) < 2:
+        spilling.add(_ONE_WARP_BACKWARD)
+    return [c for c in _for_chunk(configs, kwargs["CHUNK"], SHORT_BWD_CONFIGS, BWD_CONFIGS)
+            if c.kwargs["CPP"] in cpps and (c.kwargs["BLOCK_D"], c.num_warps) not in spilling]
 
 
-fwd_kernel = triton.autotune(configs=_configs(FWD_CONFIGS), key=_KEY)(_scan_fwd_kernel)
-bwd_kernel = triton.autotune(configs=_configs(BWD_CONFIGS), key=_KEY,
+fwd_kernel = triton.autotune(configs=_configs(FWD_CONFIGS + SHORT_FWD_CONFIGS), key=_KEY,
+                             prune_configs_by={"early_config_prune": _prune_forward})(_scan_fwd_kernel)
+bwd_kernel = triton.autotune(configs=_configs(BWD_CONFIGS + SHORT_BWD_CONFIGS, BWD_CPP), key=_BWD_KEY,
                              prune_configs_by={"early_config_prune": _prune_backward})(_scan_bwd_kernel)
 
+
+def max_chunk() -> int:
+    """The longest chunk: TREAD_SCAN_CHUNK when set (one of CHUNKS), else MAX_CHUNK."""
+    value = os.environ.get("TREAD_SCAN_CHUNK")
+    if value is None:
+        return MAX_CHUNK
+    if value not in {str(c) for c in CHUNKS}:
+        raise ConfigError(f"TREAD_SCAN_CHUNK={value!r} is not a chunk length the selective scan takes; use one of "
+                          f"{', '.join(map(str, CHUNKS))}, or unset it for {MAX_CHUNK}.")
+    return int(value)
+
+
 def time_chunk(length: int) -> int:
-    """Steps per chunk: the sequence rounded up to a power of two (at least 16), at most MAX_CHUNK."""
-    return min(MAX_CHUNK, max(16, triton.next_power_of_2(length)))
+    """Steps per chunk: the sequence rounded up to a power of two (at least 16), at most `max_chunk()`."""
+    return min(max_chunk(), max(16, triton.next_power_of_2(length)))
 
 
-def channels_per_program(b: int, g: int, k: int) -> int:
-    """Backward's channels per program: the largest of 8..64 (powers of two) that leaves >= 512 programs."""
-    cpp = 64
-    while cpp > 8 and b * g * triton.cdiv(k, cpp) < _MIN_BWD_PROGRAMS:
-        cpp //= 2
-    return cpp
+def backward_cpps(b: int, g: int, k: int) -> tuple[int, ...]:
+    """The channels per backward program the autotuner may pick for b batch rows, g groups of k channels: the
+    BWD_CPP that leave at most _MAX_BWD_PROGRAMS programs and are no wider than the group (the smallest always
+    is), or the largest alone when none does. Under the interpreter, its one config's CPP."""
+    if _INTERPRETED:
+        return (bwd_kernel.configs[0].kwargs["CPP"],)
+    fit = tuple(c for c in BWD_CPP if b * g * triton.cdiv(k, c) <= _MAX_BWD_PROGRAMS and (c <= k or c == BWD_CPP[0]))
+    return fit or (BWD_CPP[-1],)
 
 
 def states_shape(b: int, d: int, length: int, n: int) -> tuple[int, int, int, int]:
@@ -164,8 +221,8 @@ def scan_backward(dout, u, delta, A, B, C, D, z, delta_bias, delta_softplus: boo
     b, d, length = u.shape
     g, n = B.shape[1], A.shape[1]
     chunk = time_chunk(length)
-    cpp = channels_per_program(b, g, d // g)
-    parts = triton.cdiv(d // g, cpp)
+    k = d // g
+    slots = triton.cdiv(k, min(backward_cpps(b, g, k)))  # partial rows per (b, g) at the smallest CPP it may pick
     acc = A.dtype
     du, ddelta = torch.empty_like(u), torch.empty_like(delta)
     dz = torch.empty_like(z) if z is not None else None
@@ -173,18 +230,20 @@ def scan_backward(dout, u, delta, A, B, C, D, z, delta_bias, delta_softplus: boo
     dA = u.new_empty(b, d, n, dtype=acc)
     dD = u.new_empty(b, d, dtype=acc) if D is not None else None
     dbias = u.new_empty(b, d, dtype=acc) if delta_bias is not None else None
-    dB = u.new_empty(b, g, parts, n, length, dtype=acc)
+    dB = u.new_empty(b, g, slots, n, length, dtype=acc)
     dC = torch.empty_like(dB)
     absent = A
-    bwd_kernel[(g * parts, b)](
+    grid = lambda meta: (g * triton.cdiv(k, meta["CPP"]), b)  # noqa: E731
+    bwd_kernel[grid](
         u, delta, A, B, C, absent if D is None else D, absent if z is None else z,
         absent if delta_bias is None else delta_bias, dout.contiguous(), states if states.numel() else absent,
         du, ddelta, absent if dz is None else dz, dA, dB, dC, absent if dD is None else dD,
         absent if dbias is None else dbias,
-        d, g, length, n, triton.cdiv(length, chunk), **_flags(A, D, z, delta_bias, delta_softplus),
-        BLOCK_N=triton.next_power_of_2(n), CHUNK=chunk, CPP=cpp,
+        b, d, g, length, n, triton.cdiv(length, chunk), slots, **_flags(A, D, z, delta_bias, delta_softplus),
+        BLOCK_N=triton.next_power_of_2(n), CHUNK=chunk,
     )
-    dB, dC = dB.sum(2).to(B.dtype), dC.sum(2).to(C.dtype)  # (b, g, parts, n, l) -> (b, g, n, l)
+    parts = triton.cdiv(k, bwd_kernel.best_config.kwargs["CPP"])  # the slots the config that ran wrote
+    dB, dC = dB[:, :, :parts].sum(2).to(B.dtype), dC[:, :, :parts].sum(2).to(C.dtype)  # (b, g, parts, n, l) -> (b, g, n, l)
     return (du, ddelta, dA.sum(0), dB, dC, dD.sum(0) if dD is not None else None, dz,
             dbias.sum(0) if dbias is not None else None)
 

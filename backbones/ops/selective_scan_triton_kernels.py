@@ -106,7 +106,7 @@ def _scan_fwd_kernel(
 def _scan_bwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, dout_ptr, states_ptr,
     du_ptr, ddelta_ptr, dz_ptr, dA_ptr, dB_ptr, dC_ptr, dD_ptr, dbias_ptr,
-    d, g, L, N, n_chunks,
+    batch, d, g, L, N, n_chunks, slots,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     EXP2: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, CPP: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -118,7 +118,9 @@ def _scan_bwd_kernel(
     ncol = tl.arange(0, BLOCK_N)
     steps = tl.arange(0, CHUNK)
     bc_base = (bi * g + grp) * N * L
-    part_base = ((bi * g + grp) * parts + pid % parts) * N * L  # this program's (n, l) rows of dB, dC
+    # This program's (n, l) rows of dB, dC: slot pid % parts of its (batch, group)'s `slots` (those of the
+    # smallest CPP the autotuner may pick; torch sums the first `parts`). `batch` is only in the tuning key.
+    part_base = ((bi * g + grp) * slots + pid % parts) * N * L
 
     for sub in range(0, CPP, BLOCK_D):
         ch_in_grp = (pid % parts) * CPP + sub + tl.arange(0, BLOCK_D)

@@ -11,8 +11,9 @@ kernel's PTX with the flags Triton itself passes; shared memory is what Triton a
 spills registers to local memory or cannot compile is one an autotuner on a real card would time or crash on,
 so the exit status is 1 when any row failed to compile or spilled.
 
-Shapes fixed at compile time are the reference ones (the longest scan chunk, CHUNK = 256 with n = 16 states,
-CPP = 64 channels per backward program; WKV chunks of 16 tokens, combine groups of 16), the worst case for
+Shapes fixed at compile time are the reference ones (the longest scan chunk, CHUNK = 256, and the short one,
+CHUNK = 64, each with the configs made for it, with n = 16 states,
+every channels-per-program CPP the scan's backward may pick at batch 64 and 768 channels; WKV chunks of 16 tokens, combine groups of 16), the worst case for
 registers. Integer arguments are left unspecialised and pointers are 16-byte aligned, as torch allocates them.
 Set TRITON_INTERPRET=0 (or leave it unset): under the interpreter the kernels are Python, not compilable.
 
@@ -62,8 +63,8 @@ class Case:
 
     @property
     def config(self) -> str:
-        tuned = {k: v for k, v in self.constexprs.items() if k.startswith("BLOCK_") and k not in ("BLOCK_N", "BLOCK_T")}
-        return " ".join(f"{k}={v}" for k, v in tuned.items()) + f" w{self.options['num_warps']} s{self.options['num_stages']}"
+        tuned = {k: v for k, v in self.constexprs.items() if (k.startswith("BLOCK_") and k not in ("BLOCK_N", "BLOCK_T")) or k == "CPP"}
+        return ",".join(f"{k}={v}" for k, v in tuned.items()) + f" w{self.options['num_warps']} s{self.options['num_stages']}"
 
 
 def _flag_sets(which: str) -> dict[str, dict]:
@@ -77,11 +78,11 @@ def _flag_sets(which: str) -> dict[str, dict]:
     return {name: FLAG_SETS[name] for name in (FLAG_SETS if which == "standard" else which.split(","))}
 
 
-def _tuned(autotuner, fixed: dict):
-    """(constexprs, options) of each autotune config of `autotuner` that its pruner keeps for these flags, with the
-    shape-fixed constexprs added."""
+def _tuned(autotuner, fixed: dict, shape: dict | None = None):
+    """(constexprs, options) of each autotune config of `autotuner` that its pruner keeps for these flags and this
+    shape (the kernel's integer arguments it reads), with the shape-fixed constexprs added."""
     prune = getattr(autotuner, "early_config_prune", None)
-    for config in prune(autotuner.configs, {}, **fixed) if prune else autotuner.configs:
+    for config in prune(autotuner.configs, shape or {}, **fixed) if prune else autotuner.configs:
         options = {k: v for k, v in config.all_kwargs().items() if k in ("num_warps", "num_stages", "num_ctas")}
         yield {**fixed, **config.kwargs}, options
 
@@ -93,12 +94,12 @@ def cases(dtypes: list[str], flag_sets: dict[str, dict], kernels: str = "") -> l
 
     found = []
     for dtype in dtypes:
-        for name, flags in flag_sets.items():
-            fixed = dict(flags, EXP2=True, BLOCK_N=16, CHUNK=scan.MAX_CHUNK)
+        for (name, flags), chunk in itertools.product(flag_sets.items(), (scan.MAX_CHUNK, scan.SHORT_CHUNK)):
+            fixed, variant = dict(flags, EXP2=True, BLOCK_N=16, CHUNK=chunk), f"{dtype} {name} L{chunk}"
             for constexprs, options in _tuned(scan.fwd_kernel, dict(fixed, STORE_STATES=True)):
-                found.append(Case("scan.fwd", scan.fwd_kernel.fn, f"{dtype} {name}", constexprs, options, dtype))
-            for constexprs, options in _tuned(scan.bwd_kernel, dict(fixed, CPP=64)):
-                found.append(Case("scan.bwd", scan.bwd_kernel.fn, f"{dtype} {name}", constexprs, options, dtype))
+                found.append(Case("scan.fwd", scan.fwd_kernel.fn, variant, constexprs, options, dtype))
+            for constexprs, options in _tuned(scan.bwd_kernel, fixed, dict(batch=64, g=1, d=768)):
+                found.append(Case("scan.bwd", scan.bwd_kernel.fn, variant, constexprs, options, dtype))
         for kname, autotuner in (("wkv.fwd_sums", wkv._fwd_sums_kernel), ("wkv.fwd", wkv._fwd_kernel),
                                  ("wkv.bwd_sums", wkv._bwd_sums_kernel), ("wkv.bwd", wkv._bwd_kernel)):
             for constexprs, options in _tuned(autotuner, dict(BLOCK_T=16)):

@@ -36,15 +36,16 @@ _REF_ELEMENTS = {"cpu": 1 << 25, "cuda": 1 << 28}
 
 
 def triton_traffic(b: int, d: int, length: int, n: int, itemsize: int, block_d: int, groups: int = 1,
-                   has_z: bool = False, store: bool = True) -> dict[str, tuple[int, int]]:
+                   has_z: bool = False, store: bool = True, cpp: int | None = None) -> dict[str, tuple[int, int]]:
     """(bytes, programs) of the Triton scan's forward and backward, each tensor counted once (DRAM traffic when
     the re-reads of B, C and delta_{t+1} hit the cache). D and delta_bias are present (d-sized, counted).
 
     Forward reads u, delta (z) and B, C, writes out and, with `store`, the states entering chunks 2.. .
     Backward reads u, delta, dout (z), B, C, states; writes du, ddelta (dz), the dB / dC partials (one (n, l)
     row pair per program) and per-batch dA, dD, dbias, which torch then sums (read once, write the result).
+    `cpp`: backward's channels per program, tuned; by default the smallest it may pick (the most partial rows).
     """
-    from backbones.ops.selective_scan_triton import channels_per_program, states_shape, time_chunk
+    from backbones.ops.selective_scan_triton import backward_cpps, states_shape, time_chunk
 
     act, bc = b * d * length * itemsize, b * groups * n * length * itemsize  # one (b, d, l) / (b, g, n, l) tensor
     states = 4 * b * d * n * (states_shape(b, d, length, n)[2]) if store else 0
@@ -52,7 +53,7 @@ def triton_traffic(b: int, d: int, length: int, n: int, itemsize: int, block_d: 
     k = d // groups
     fwd = (act * (3 + has_z) + 2 * bc + states + params, b * groups * -(-k // block_d))
     time_chunk(length)  # (the chunk fixes the states' layout above)
-    parts = -(-k // channels_per_program(b, groups, k))
+    parts = -(-k // (cpp or min(backward_cpps(b, groups, k))))
     partials = 2 * 4 * b * groups * parts * n * length
     per_batch = 4 * b * (d * n + 2 * d)
     bwd_bytes = act * (5 + 2 * has_z) + 2 * bc + states + params + partials + per_batch  # the kernel
@@ -60,25 +61,28 @@ def triton_traffic(b: int, d: int, length: int, n: int, itemsize: int, block_d: 
     return {"forward": fwd, "backward": (bwd_bytes, b * groups * parts)}
 
 
-def _tuned_block_d(kernel, default: int = 4) -> int:
-    """BLOCK_D the autotuner chose on its last run (the first config if it has not run)."""
+def _tuned(kernel, name: str = "BLOCK_D") -> int:
+    """A parameter of the config the autotuner chose on its last run (the first config if it has not run)."""
     config = getattr(kernel, "best_config", None) or kernel.configs[0]
-    return config.kwargs.get("BLOCK_D", default)
+    return config.kwargs[name]
 
 
 def print_reference_counts(device: torch.device) -> None:
     """The Triton kernel's bytes and programs at the reference shape, fp32 and bf16, without running it."""
-    from backbones.ops.selective_scan_triton import fwd_kernel
+    from backbones.ops.selective_scan_triton import FWD_CONFIGS, backward_cpps
 
     r = REFERENCE
-    block_ds = sorted({c.kwargs["BLOCK_D"] for c in fwd_kernel.configs})
+    block_ds = sorted({bd for bd, _ in FWD_CONFIGS})  # the configs for 256-step chunks, the reference's
+    cpps = backward_cpps(r["b"], 1, r["d"])
     for dtype, itemsize in (("fp32", 4), ("bf16", 2)):
         t = {bd: triton_traffic(r["b"], r["d"], r["length"], r["n"], itemsize, bd) for bd in block_ds}
         fwd, bwd = t[block_ds[0]]["forward"], t[block_ds[0]]["backward"]
+        widest = triton_traffic(r["b"], r["d"], r["length"], r["n"], itemsize, block_ds[0], cpp=cpps[-1])["backward"]
         programs = "-".join(f"{t[bd]['forward'][1]:,}" for bd in (block_ds[-1], block_ds[0]))
         print(f"  reference b{r['b']} d{r['d']} L{r['length']} N{r['n']} {dtype}: forward {fwd[0] / 1e6:.1f} MB in "
-              f"{programs} programs (BLOCK_D {block_ds[-1]}..{block_ds[0]}, tuned); backward {roofline(*bwd, device=device)}; "
-              f"fwd+bwd {roofline(fwd[0] + bwd[0], fwd[1] + bwd[1], device=device)} (BLOCK_D {block_ds[0]})")
+              f"{programs} programs (BLOCK_D {block_ds[-1]}..{block_ds[0]}, tuned); backward {roofline(*bwd, device=device)} "
+              f"at CPP {cpps[0]}, {roofline(*widest, device=device)} at CPP {cpps[-1]} (tuned); "
+              f"fwd+bwd {roofline(fwd[0] + bwd[0], fwd[1] + bwd[1], device=device)} (BLOCK_D {block_ds[0]}, CPP {cpps[0]})")
 
 
 def _once(fn: Callable[[], torch.Tensor], backward: bool, device: torch.device) -> float:
@@ -268,10 +272,10 @@ def main() -> None:
     for name, (fwd, both) in best.items():
         print(f"{name:22s} fwd {fwd * 1e3:9.3f} ms   fwd+bwd {both * 1e3:9.3f} ms   (min of {len(times[name])})")
         if name == "Triton":
-            from backbones.ops.selective_scan_triton import fwd_kernel
+            from backbones.ops.selective_scan_triton import bwd_kernel, fwd_kernel
 
-            t = triton_traffic(b, d, l, n, u.element_size(), _tuned_block_d(fwd_kernel), store=False)
-            t_train = triton_traffic(b, d, l, n, u.element_size(), _tuned_block_d(fwd_kernel))
+            t = triton_traffic(b, d, l, n, u.element_size(), _tuned(fwd_kernel), store=False)
+            t_train = triton_traffic(b, d, l, n, u.element_size(), _tuned(fwd_kernel), cpp=_tuned(bwd_kernel, "CPP"))
             total = (t_train["forward"][0] + t_train["backward"][0], t_train["forward"][1] + t_train["backward"][1])
             print(f"{'':22s} fwd: {roofline(*t['forward'], fwd, device)}")
             print(f"{'':22s} fwd+bwd: {roofline(*total, both, device)}")
