@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+from unittest import mock
 from collections.abc import Iterator
 import tempfile
 from pathlib import Path
@@ -174,22 +175,8 @@ def kernel_rows(device: torch.device, scan_shape: tuple[int, ...], wkv_shape: tu
                       lambda: scan(precision))
         yield guarded({"kernel": "Bi-WKV", "precision": precision, "shape": f"B{B} T{T} C{C}"}, lambda: wkv(precision))
     short = "selective scan, 64-step chunks"
-    with _env("TREAD_SCAN_CHUNK", "64"):
+    with mock.patch.dict(os.environ, {"TREAD_SCAN_CHUNK": "64"}):
         yield guarded({"kernel": short, "precision": "bf16", "shape": f"b{b} d{d} L{length} N{n}"}, lambda: scan("bf16", short))
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    """An environment variable set for the block, then restored."""
-    saved = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = saved
 
 
 def tuned_configs(module) -> dict[str, dict]:
