@@ -337,7 +337,7 @@ def test_adapt_refuses_unknown_models_and_bad_routes():
 def test_the_documented_tiny_flux_fine_tuning_runs_end_to_end(tmp_path):
     import runpy
 
-    script = runpy.run_path(str(Path(__file__).parents[1] / "docs" / "finetune_tiny_flux.py"))
+    script = runpy.run_path(str(Path(__file__).parents[1] / "docs" / "figures" / "finetune_tiny_flux.py"))
     losses = script["main"](["--steps", "2", "--batch", "2", "--out", str(tmp_path)])
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
     assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()

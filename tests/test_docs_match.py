@@ -12,7 +12,7 @@ DOCS = Path(__file__).parents[1] / "docs"
 
 
 def test_the_evidence_script_states_its_model_width():
-    script = runpy.run_path(str(DOCS / "tread_lora_evidence.py"))
+    script = runpy.run_path(str(DOCS / "figures" / "tread_lora_evidence.py"))
     width = script["FLUX"]["num_attention_heads"] * script["FLUX"]["attention_head_dim"]
     assert re.findall(r"(\d+) wide", script["__doc__"]) == [str(width)]
 

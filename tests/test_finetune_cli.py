@@ -340,7 +340,7 @@ def test_the_documented_cpu_demo_runs(tmp_path):
 
     from test_fashion_mnist import fake_fashion
 
-    script = runpy.run_path(str(Path(__file__).parents[1] / "docs" / "finetune_tiny_flux.py"))
+    script = runpy.run_path(str(Path(__file__).parents[1] / "docs" / "figures" / "finetune_tiny_flux.py"))
     script["main"](["--write-pretrained", str(tmp_path / "pretrained"), "--latent-channels", "1"])
     prompts = write_table(random_table("flux", [f"class {k}" for k in range(10)], (8, 64, 32)), tmp_path / "prompts.safetensors")
     demo = ["+experiment=finetune_flux", "data=fashion_mnist", f"data.path={fake_fashion(tmp_path / 'fm')}",

@@ -115,7 +115,7 @@ def test_fsdp_fine_tunes_wan_with_lora_and_gathers_an_adapter_only_checkpoint_eq
     noise, so one process and two see the same batch: equal losses, LoRA, EMA and the lora/ export."""
     import runpy
 
-    runpy.run_path(str(ROOT / "docs" / "finetune_tiny_wan.py"))["main"](
+    runpy.run_path(str(ROOT / "docs" / "figures" / "finetune_tiny_wan.py"))["main"](
         ["--pipeline", str(tmp_path / "pipe"), "--clips", str(tmp_path / "clips"), "--num-clips", "4", "--frames", "5", "--size", "32",
          "--pixels"])
     wan = ["+experiment=finetune_wan", f"finetune.pretrained={tmp_path / 'pipe'}", f"data.path={tmp_path / 'clips'}", "data.vae=pixels",

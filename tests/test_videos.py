@@ -1,5 +1,5 @@
 """data=videos and +experiment=finetune_wan on the CPU: a tiny random WanPipeline and the moving-shapes fixture, both
-written offline (docs/finetune_tiny_wan.py); captions through its umT5, clips through its AutoencoderKLWan."""
+written offline (docs/figures/finetune_tiny_wan.py); captions through its umT5, clips through its AutoencoderKLWan."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ TINY = ["data.frames=5", "data.height=32", "data.width=32", "data.max_sequence_l
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny-wan")
-    script = runpy.run_path(str(ROOT / "docs" / "finetune_tiny_wan.py"))
+    script = runpy.run_path(str(ROOT / "docs" / "figures" / "finetune_tiny_wan.py"))
     script["main"](["--pipeline", str(root / "pipeline"), "--clips", str(root / "clips"), "--num-clips", "6", "--frames", "5",
                     "--size", "32"])
     return {"pipeline": root / "pipeline", "clips": root / "clips", "root": root}

@@ -1,6 +1,6 @@
 """DiffMoE's compute dynamics: activated experts per token against the sampling step and the class.
 
-    python -m train.bench.moe runs/X --steps 18 --per-class 8 --out docs/diffmoe_dynamics.png
+    python -m train.bench.moe runs/X --steps 18 --per-class 8 --out docs/figures/diffmoe_dynamics.png
     python -m train.bench.moe runs/X --moe-target 1.0          # a fixed average capacity instead of the learned thresholds
 
 Samples one grid row per class from a run's EMA weights (global_pool MoE, eval mode: dynamic capacity)
