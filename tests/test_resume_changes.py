@@ -10,7 +10,7 @@ import pytest
 from routing import ConfigError
 from train.trainer import Trainer
 from train.trainer.changes import classify
-from conftest import FAST, compose_cfg
+from conftest import FAST, compose_cfg, run_cli
 
 ROUTE = {"selection_ratio": 0.75, "start_layer_idx": 2, "end_layer_idx": -3, "mode": "sprint", "path_drop": 0.1}
 
@@ -34,11 +34,11 @@ def resume(run, *overrides):
 
 
 @pytest.mark.parametrize("overrides, named", [
-    (["routing=structured"], "routing.routes: the SPRINT route layout (start, end, mode) [(2, -3, 'sprint')]"),
-    (["routing=none"], "[(2, -3, 'sprint')] -> []"),
+    (["routing=structured"], "routing.routes: the SPRINT route layout (start, end, mode) [(2, 5, 'sprint')]"),
+    (["routing=none"], "[(2, 5, 'sprint')] -> []"),
     (["routing=sprint", "routing.policy=random"], "routing.policy: 'structured' -> 'random' (the SPRINT route's fusion layer"),
     (["routing=sprint", "routing.routes=[{selection_ratio: 0.75, start_layer_idx: 3, end_layer_idx: -3, mode: sprint, path_drop: 0.1}]"],
-     "[(2, -3, 'sprint')] -> [(3, -3, 'sprint')]"),
+     "[(2, 5, 'sprint')] -> [(3, 5, 'sprint')]"),
 ], ids=["structured", "none", "policy", "moved"])
 def test_a_change_that_moves_parameters_or_a_fusing_route_is_refused_before_any_weight_loads(sprint_run, overrides, named, monkeypatch):
     import train.trainer.resume as resume_module
@@ -53,6 +53,29 @@ def test_a_change_that_moves_parameters_or_a_fusing_route_is_refused_before_any_
     message = str(err.value)
     assert named in message and "does not fit this model: it was trained with other values of keys" in message and "\n" not in message
     assert folder_hash(sprint_run) == before
+
+
+def test_a_changed_backbone_is_refused_naming_the_presets_value_trained_with(sprint_run):
+    """The run was trained with backbone.depth null (dit-tiny's 8): the refusal names 8, never None, on one line, exit 2."""
+    before = folder_hash(sprint_run)
+    out = run_cli("train", *FAST, "routing=sprint", "trainer.ckpt_every=2", "trainer.log_with=none", f"run_dir={sprint_run}",
+                  "resume=true", "backbone.depth=6")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "(differs in backbone.depth: 8 -> 6)" in out.stderr and "None" not in out.stderr
+    assert folder_hash(sprint_run) == before
+
+
+def test_the_same_route_and_backbone_written_another_way_are_no_change(sprint_run, capsys):
+    """end_layer_idx 5 is -3 on depth 8, and backbone.depth=8 is the preset's depth: nothing is refused or printed."""
+    route = "routing.routes=[{selection_ratio: 0.75, start_layer_idx: 2, end_layer_idx: 5, mode: sprint, path_drop: 0.1}]"
+    trainer = resume(sprint_run, "routing=sprint", route, "backbone.depth=8", "backbone.hidden_size=128")
+    out = capsys.readouterr().out
+    assert trainer.step == 2 and "resume: applying" not in out and "warning" not in out
+    trainer._release_run_dir()
+    old = {"backbone": {"name": "dit", "preset": "tiny", "depth": None}, "routing": {"routes": [ROUTE]}, "align": {"layer": -7}}
+    new = {"backbone": {"name": "dit", "preset": "tiny", "depth": 8}, "routing": {"routes": [{**ROUTE, "end_layer_idx": 5}]},
+           "align": {"layer": 1}}
+    assert classify(old, new) == classify(old, old)
 
 
 def test_the_second_stage_and_the_learning_rate_are_applied_and_printed(sprint_run, capsys):

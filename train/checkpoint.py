@@ -31,6 +31,7 @@ from train.build import build_net, finetune_family, objective_for, pretrained_of
 from train.data import build_dataset
 from train.distributed import copy_into_shards, is_sharded
 from train.files import as_os_error, read_checkpoint_config, read_latest, read_state, write_atomic
+from train.schema import resolved_backbone
 
 # Sections that fix the shape of the network; changing them makes a checkpoint unloadable.
 MODEL_KEYS = ("backbone", "data", "objective")
@@ -247,13 +248,12 @@ def load_checkpoint(path: Path, cfg: DictConfig | None = None) -> dict:
     state = read_state(path)
     if cfg is not None:
         for key in MODEL_KEYS:
-            mine, theirs = (OmegaConf.to_container(c[key], resolve=True) if key in c else _ABSENT[key] for c in (cfg, saved_cfg))
+            mine, theirs = (_model_section(c, key) for c in (cfg, saved_cfg))
             if mine != theirs:
                 diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-                raise ConfigError(
-                    f"checkpoint '{path}' was trained with a different {key} config (differs in {', '.join(f'{key}.{k}' for k in diff)}: "
-                    f"{ {k: theirs.get(k) for k in diff} }); resume with the same {key} settings or use a new run_dir."
-                )
+                changes = "; ".join(f"{key}.{k}: {theirs.get(k)!r} -> {mine.get(k)!r}" for k in diff)  # trained -> now
+                raise ConfigError(f"checkpoint '{path}' was trained with a different {key} config (differs in {changes}); resume "
+                                  f"with the same {key} settings or use a new run_dir.")
     try:
         model, ema = load_file(path / "model.safetensors"), load_file(path / "ema.safetensors")
         extra = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
@@ -275,6 +275,12 @@ def load_checkpoint(path: Path, cfg: DictConfig | None = None) -> dict:
                               "resume from an older step_* folder.")
     return {"model": model, "ema": ema, "config": saved_cfg, "step": state.step, "pretrained": state.pretrained,
             "path": path, **extra}
+
+
+def _model_section(cfg: DictConfig, key: str) -> dict:
+    """A model-defining section as the model is built from it (the backbone's null sizes as its preset's)."""
+    section = OmegaConf.to_container(cfg[key], resolve=True) if key in cfg else _ABSENT[key]
+    return resolved_backbone(section) if key == "backbone" else section
 
 
 def _contiguous(state: dict) -> dict:

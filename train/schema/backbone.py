@@ -30,3 +30,16 @@ KWARG_RANGES = {
     "balance_weight": {"ge": 0}, "predictor_weight": {"ge": 0}, "threshold_decay": {"ge": 0, "le": 1},
 }
 KWARG_CHOICES = {"scan_order": ("row", "alternate"), "ssm": ("mamba1", "mamba2")}
+
+
+def resolved_backbone(b: Any) -> Dict[str, Any]:
+    """`backbone:` as the model is built: depth and hidden_size null -> the preset's, so a resume compares (and names)
+    the sizes trained with, never null. An unknown family or preset is returned as it is (check_config names it)."""
+    from backbones import FAMILIES, family_module
+
+    out = dict(b)
+    presets = family_module(out["name"]).PRESETS if out.get("name") in FAMILIES else {}
+    for name in ("depth", "hidden_size"):
+        if out.get(name) is None and name in presets.get(out.get("preset"), {}):
+            out[name] = presets[out["preset"]][name]
+    return out

@@ -20,7 +20,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from routing.errors import ConfigError
 from train.schema.align import check_align
-from train.schema.backbone import KWARG_CHOICES, KWARG_RANGES
+from train.schema.backbone import KWARG_CHOICES, KWARG_RANGES, resolved_backbone
 from train.schema.config import Config
 from train.schema.data import DATA
 from train.schema.finetune import FAMILIES, TEXT_FAMILIES
@@ -450,7 +450,7 @@ def resume_changes(saved: Any, current: Any) -> tuple[list[str], list[str]]:
     checkpoint predates are not changes.
     """
     to_plain = lambda c: OmegaConf.to_container(c, resolve=True) if isinstance(c, (DictConfig, ListConfig)) else c  # noqa: E731
-    old, new = _flat(to_plain(saved)), _flat(to_plain(current))
+    old, new = _flat(_as_built(to_plain(saved))), _flat(_as_built(to_plain(current)))
     refused, applied = [], []
     for path in sorted(new):
         if path.split(".")[0] in RUN_KEYS or path.startswith("hydra.") or path not in old or old[path] == new[path]:
@@ -464,6 +464,28 @@ def resume_changes(saved: Any, current: Any) -> tuple[list[str], list[str]]:
         rule = REFUSE if section in OPTION_SCHEMAS else (found[1].get("on_resume", APPLY) if found else APPLY)
         (refused if rule == REFUSE else applied).append(f"{path}: {old[path]!r} -> {new[path]!r}")
     return refused, applied
+
+
+def _as_built(cfg: Any) -> Any:
+    """The config as the model is built from it: the backbone's null sizes as its preset's, and each route's negative
+    layer indices (and align's blocks) counted from the end, so the same model written two ways is no change
+    (end_layer_idx -3 and 5 on depth 8). A fine-tuned model's depth is its pretrained checkpoint's, unknown here: its routes stay as written."""
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("backbone"), dict):
+        return cfg
+    backbone = resolved_backbone(cfg["backbone"])
+    depth = None if (cfg.get("finetune") or {}).get("family") else backbone.get("depth")
+    out = {**cfg, "backbone": backbone}
+    if not isinstance(depth, int):
+        return out
+    at = lambda i: i + depth if isinstance(i, int) and not isinstance(i, bool) and i < 0 else i  # noqa: E731
+    routing, align = cfg.get("routing"), cfg.get("align")
+    if isinstance(routing, dict) and isinstance(routing.get("routes"), list):
+        routes = [{**r, **{k: at(r[k]) for k in ("start_layer_idx", "end_layer_idx") if k in r}} if isinstance(r, dict) else r
+                  for r in routing["routes"]]
+        out["routing"] = {**routing, "routes": routes}
+    if isinstance(align, dict):  # the aligned and teacher blocks count from the end the same way
+        out["align"] = {**align, **{k: at(align[k]) for k in ("layer", "teacher_layer") if k in align}}
+    return out
 
 
 def _fusing(*route_lists) -> bool:
