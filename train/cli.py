@@ -1,4 +1,5 @@
-"""Entry-point helpers: ConfigError -> one line and exit 2, RunStopped -> one line and exit 3, a file-system
+"""Entry-point helpers: ConfigError -> one line and exit 2, RunStopped -> one line and exit 3, Preempted -> the line
+naming its checkpoint and exit 128 + the signal, a file-system
 fault (OSError) -> one line naming the file, exit 3 for a full disk and 2 otherwise; no traceback. Hydra
 composition errors (a wrong type, an unknown key or option) as one sentence too; argparse flags (devices,
 output paths) that refuse bad values in one sentence."""
@@ -27,6 +28,16 @@ class RunStopped(RuntimeError):
     """A run that cannot go on (divergence, a full disk); the message names the last good checkpoint."""
 
 
+class Preempted(Exception):
+    """A run stopped by SIGTERM, SIGUSR1 or SIGINT after saving its step (train/trainer/preemption.py); the message is
+    the line naming the checkpoint, `code` the exit status: 128 + the signal's number (143, 138, 130), as a shell
+    reports a process the signal ended, so job scripts treat it as preempted, never as finished or refused."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.code = 128 + signum
+
+
 def friendly_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -38,6 +49,15 @@ def friendly_errors(fn):
         except RunStopped as err:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(3)
+        except Preempted as err:  # saved and named: a line of its own (every process raises it; rank 0 prints it)
+            if os.environ.get("RANK", "0") == "0":
+                print(str(err), file=sys.stderr)
+            sys.exit(err.code)
+        except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves first): no traceback
+            if os.environ.get("RANK", "0") == "0":
+                print("interrupted by Ctrl-C (SIGINT); every file written so far is whole (each is written whole or not at "
+                      "all), and a training run continues from its newest checkpoint with resume=auto.", file=sys.stderr)
+            sys.exit(130)
         except OSError as err:  # the file system refused a read or write that no check could foresee
             print(f"error: {file_system_error(err)}", file=sys.stderr)
             sys.exit(3 if is_disk_full(err) else 2)

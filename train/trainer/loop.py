@@ -23,6 +23,7 @@ from train.distributed import ShardedEma
 from train.files import write_atomic
 from train.grid import grid_labels, save_grid
 from train.logger import recipe
+from train.trainer.preemption import Preempted, StopSignals
 from train.schema.sample import preview_every
 
 
@@ -55,41 +56,64 @@ class Loop:
         bar = tqdm(total=t.max_steps, initial=self.step, disable=not self.acc.is_main_process, desc="train", dynamic_ncols=True)
         self.in_loop = True
         try:
-            while self.step < t.max_steps:
-                skipped = self.skipped_steps
-                loss = self.train_step()  # None between reads
-                bar.update(1)
-                last = self.step == t.max_steps or time.perf_counter() - began > budget
-                if loss is None and last:
-                    loss = self._read()[-1]
-                if loss is None:
-                    continue
-                now = time.perf_counter()
-                images_per_s = t.batch_size * (self.step - since[0]) / (now - since[1])
-                since = (self.step, now)
-                aligned = {"align": f"{self.last_aux['align']:.4f}"} if "align" in self.last_aux else {}
-                bar.set_postfix(loss=f"{loss:.4f}", **aligned, img_s=f"{images_per_s:.0f}")
-                if self.step % t.log_every == 0 or last or self.skipped_steps > skipped:
-                    self._write("metrics.jsonl", self.logger.log, self.step, {
-                        "loss": loss, **self.last_aux, "images_per_s": images_per_s, "seconds": now - began,
-                        "skipped_steps": self.skipped_steps})
-                self._check_streak()
-                # Save first: a failing preview must not cost the checkpoint of its step. No checkpoint while the
-                # newest step was non-finite: the weights that produced it must not rotate out good ones.
-                if t.ckpt_every and (self.step % t.ckpt_every == 0 or last) and not self.bad_streak:
-                    self.save()
-                if previews and (self.step % previews == 0 or last):
-                    self.sample_grid()
-                if cfg.fid.every and (self.step % cfg.fid.every == 0 or last):
-                    self.evaluate_fid()
-                if last:
-                    break
+            with StopSignals() as signals:
+                while self.step < t.max_steps:
+                    skipped = self.skipped_steps
+                    loss = self.train_step()  # None between reads
+                    bar.update(1)
+                    last = self.step == t.max_steps or time.perf_counter() - began > budget
+                    if loss is None and last:
+                        loss = self._read()[-1]
+                    if loss is None:
+                        if signals.agreed(self.acc, reading=False):
+                            self._preempt(signals.signum, saved=False)
+                        continue
+                    now = time.perf_counter()
+                    images_per_s = t.batch_size * (self.step - since[0]) / (now - since[1])
+                    since = (self.step, now)
+                    aligned = {"align": f"{self.last_aux['align']:.4f}"} if "align" in self.last_aux else {}
+                    bar.set_postfix(loss=f"{loss:.4f}", **aligned, img_s=f"{images_per_s:.0f}")
+                    if self.step % t.log_every == 0 or last or self.skipped_steps > skipped:
+                        self._write("metrics.jsonl", self.logger.log, self.step, {
+                            "loss": loss, **self.last_aux, "images_per_s": images_per_s, "seconds": now - began,
+                            "skipped_steps": self.skipped_steps})
+                    self._check_streak()
+                    # Save first: a failing preview must not cost the checkpoint of its step. No checkpoint while the
+                    # newest step was non-finite: the weights that produced it must not rotate out good ones.
+                    saved = bool(t.ckpt_every and (self.step % t.ckpt_every == 0 or last) and not self.bad_streak)
+                    if saved:
+                        self.save()
+                    # A signal ends the run here, before this step's previews and FID (they could outlast the grace time).
+                    stop = None if last else signals.agreed(self.acc, reading=True)
+                    if stop:
+                        self._preempt(stop, saved)
+                    if previews and (self.step % previews == 0 or last):
+                        self.sample_grid()
+                    if cfg.fid.every and (self.step % cfg.fid.every == 0 or last):
+                        self.evaluate_fid()
+                    if last:
+                        break
         finally:
             self.in_loop = False
             bar.close()  # before any message of a stopped run, so it starts a line of its own
         self.logger.close()
         self._release_run_dir()
         return self.read_losses[first:]
+
+    def _preempt(self, signum: int, saved: bool) -> None:
+        """End the run for signal `signum` after this step: its checkpoint (unless written already, or unless the newest
+        step was non-finite), then Preempted, whose message is the one line naming it (train/trainer/preemption.py)."""
+        self._read()  # the steps since the last read: the guard's counts decide whether this step may be saved
+        name, ckpt = StopSignals.name(signum), self.run_dir / "checkpoints" / f"step_{self.step:07d}"
+        if self.bad_streak:
+            what = f"no checkpoint written, as step {self.step} was non-finite; {self._good_checkpoint('continue from it', lr=False)}"
+        else:
+            if not saved:
+                self.save()
+            what = f"saved checkpoint {ckpt}; continue with python -m train run_dir={self.run_dir} resume=auto"
+        self.logger.close()
+        self._release_run_dir()
+        raise Preempted(signum, f"{name} at step {self.step}: {what} (exit code {128 + signum}).")
 
     def evaluate_fid(self) -> float:
         """FID of the EMA model; every process samples its share, all get the same value."""

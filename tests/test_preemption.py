@@ -1,0 +1,99 @@
+"""Preemption: SIGTERM, SIGUSR1 and Ctrl-C save the step in flight, name the checkpoint in one line and exit with
+128 + the signal; the run continues from it as if it had never stopped."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from train import checkpoint
+from train.cli import Preempted
+from train.files import read_state
+from train.trainer import Trainer
+from conftest import FAST, ROOT, compose_cfg
+from test_resume_and_distributed import losses
+
+COMMON = [*FAST, "routing=random", "trainer.batch_size=8", "trainer.log_every=3", "trainer.ckpt_every=50"]
+
+
+def test_sigterm_between_checkpoints_saves_the_step_and_resumes_bit_identically(tmp_path):
+    run = tmp_path / "preempted"
+    proc = subprocess.Popen([sys.executable, "-m", "train", *COMMON, "trainer.max_steps=100000", f"run_dir={run}"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 240
+    metrics = run / "metrics.jsonl"
+    while time.time() < deadline and proc.poll() is None and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)  # past step 6, long before the first checkpoint (step 50)
+    _, err = proc.communicate(timeout=120)
+    lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.strip() and not ln.startswith("train:")]  # less the bar
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert len(lines) == 1, err[-2000:]
+    step = read_state(checkpoint.latest_checkpoint(run / "checkpoints")).step
+    assert 6 <= step < 50
+    ckpt = run / "checkpoints" / f"step_{step:07d}"
+    assert lines[0] == (f"SIGTERM at step {step}: saved checkpoint {ckpt}; continue with python -m train run_dir={run} "
+                        f"resume=auto (exit code 143).")
+
+    # Continued with resume=auto to a few steps on, it matches a run that was never stopped: losses and weights.
+    end = step + 4
+    Trainer(compose_cfg(*COMMON, f"trainer.max_steps={end}", f"run_dir={run}", "resume=auto")).fit()
+    straight = tmp_path / "straight"
+    Trainer(compose_cfg(*COMMON, f"trainer.max_steps={end}", f"run_dir={straight}")).fit()
+    assert losses(run) == losses(straight)
+    name = f"step_{end:07d}"
+    for weights in ("model.safetensors", "ema.safetensors"):
+        got, want = load_file(run / "checkpoints" / name / weights), load_file(straight / "checkpoints" / name / weights)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got), weights
+
+
+def _signal_at(trainer: Trainer, at: int, signum: int):
+    """Make `trainer` receive `signum` while it runs step `at` (as a signal arriving mid-step would)."""
+    step = trainer._step
+
+    def signalled():
+        step()
+        if trainer.step == at:
+            os.kill(os.getpid(), signum)
+
+    trainer._step = signalled
+
+
+def test_ctrl_c_mid_run_saves_and_a_second_signal_during_the_save_changes_nothing(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    trainer = Trainer(compose_cfg(*COMMON, "trainer.max_steps=20", f"run_dir={run}"))
+    _signal_at(trainer, 4, signal.SIGINT)
+    save = checkpoint.save_checkpoint
+
+    def interrupted_save(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # a second signal (a second Ctrl-C, a SIGTERM) while the save runs
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr("train.trainer.loop.save_checkpoint", interrupted_save)
+    with pytest.raises(Preempted) as stopped:
+        trainer.fit()
+    assert stopped.value.code == 130
+    assert str(stopped.value).startswith("SIGINT at step 4: saved checkpoint ")
+    ckpt = checkpoint.latest_checkpoint(run / "checkpoints")
+    assert ckpt.name == "step_0000004" and read_state(ckpt).step == 4
+    checkpoint.load_checkpoint(ckpt)  # whole: every file's digest matches
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_0000004"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are put back
+
+
+def test_a_signal_at_a_checkpoint_step_saves_it_once(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    trainer = Trainer(compose_cfg(*COMMON, "trainer.max_steps=20", "trainer.ckpt_every=3", f"run_dir={run}"))
+    _signal_at(trainer, 3, signal.SIGUSR1)
+    saves = []
+    save = checkpoint.save_checkpoint
+    monkeypatch.setattr("train.trainer.loop.save_checkpoint", lambda *a, **k: saves.append(a[1]) or save(*a, **k))
+    with pytest.raises(Preempted, match=r"^SIGUSR1 at step 3: saved checkpoint .*step_0000003.*\(exit code 138\)\.$"):
+        trainer.fit()
+    assert saves == [3]
