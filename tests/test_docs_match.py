@@ -42,7 +42,7 @@ def test_the_documented_lora_files_are_the_ones_save_lora_writes(tmp_path):
     model = build("flux")
     add_lora(model, rank=2)
     written = sorted(p.name for p in save_lora(model, tmp_path / "lora").iterdir())
-    text = (DOCS / "finetuning.md").read_text()
+    text = (DOCS / "finetuning_api.md").read_text()
     section = text[text.index("`save_lora(model, folder)` writes"):text.index("`load_pretrained(family, path)` loads")]
     assert re.findall(r"`([a-z_]+\.(?:safetensors|json))`", section.split("\n\n")[1]) == [
         "pytorch_lora_weights.safetensors", "adapter_model.safetensors", "adapter_config.json", "tread_zoo_lora.json"]
