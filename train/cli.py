@@ -269,6 +269,24 @@ def device(text: str) -> str:
         raise argparse.ArgumentTypeError(str(err).split("=", 1)[-1].rstrip(".")) from None
 
 
+def check_presets(parser: argparse.ArgumentParser, family: str, presets: list[str], flag: str = "--presets") -> None:
+    """Refuse, in one sentence, a preset that backbone `family` does not define (before any model is built)."""
+    from backbones import family_module
+
+    known = list(family_module(family).PRESETS)
+    for preset in presets:
+        if preset not in known:
+            parser.error(f"{flag} {preset}: {family} has no such preset; choose from {', '.join(known)}")
+
+
+def check_tokens(parser: argparse.ArgumentParser, side: int, patch: int, side_flag: str = "--input-size",
+                 patch_flag: str = "--patch") -> None:
+    """Refuse a latent side that patches of `patch` do not tile."""
+    if side % patch:
+        parser.error(f"{side_flag} {side} is not a multiple of {patch_flag} {patch}; patches must tile the latent "
+                     f"(e.g. {side_flag} {max(patch, side - side % patch)})")
+
+
 def add_sampling_rule_flags(parser: argparse.ArgumentParser, route_ratio: float = 0.0, rg_scale: float = 1.0,
                             rg_gamma2: float = 0.5) -> None:
     """The flags train.sample and train.fid share: routed inference, routing guidance, DiffMoE capacity."""

@@ -12,7 +12,6 @@ Steps are timed interleaved (medians); FLOPs come from torch.utils.flop_counter.
 
 from __future__ import annotations
 
-import argparse
 import platform
 
 import torch
@@ -21,7 +20,9 @@ from backbones.adapters import adapt, add_lora
 from edm import FlowLoss
 from routing import Router
 from routing import count_flops
+from routing.policy import POLICIES
 from train.bench.timing import interleaved_medians
+from train.cli import ArgumentParser, bounded, device as device_type, friendly_errors
 
 # Mid-size configs: FLUX.1 / SD3.5 / PixArt-Sigma / DiT block types at 512 channels (8 heads of 64).
 PRESETS = {
@@ -129,26 +130,30 @@ def measure(args, family: str) -> dict:
     }
 
 
+@friendly_errors  # a route that does not fit a model's depth: the adapter's one sentence
 def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m train.bench.finetune", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m train.bench.finetune", description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=list(MODEL_CLASSES), choices=list(MODEL_CLASSES))
     p.add_argument("--preset", default="mid", choices=list(PRESETS))
     p.add_argument("--train", default="lora", choices=["lora", "full"], help="LoRA on the attention projections, or all weights")
-    p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--latent", type=int, default=32, help="latent side; 32 with 2x2 patches gives 256 image tokens")
-    p.add_argument("--text", type=int, default=64, help="text tokens (Flux, SD3, PixArt, Wan)")
-    p.add_argument("--frames", type=int, default=4, help="Wan's latent frames (at half the latent side)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--policy", default="random")
-    p.add_argument("--ratio", type=float, default=0.5)
+    p.add_argument("--rank", type=bounded(int, 1, example="--rank 16"), default=16)
+    p.add_argument("--latent", type=bounded(int, 2, example="--latent 32"), default=32, help="latent side; 32 with 2x2 patches gives 256 image tokens")
+    p.add_argument("--text", type=bounded(int, 1, example="--text 64"), default=64, help="text tokens (Flux, SD3, PixArt, Wan)")
+    p.add_argument("--frames", type=bounded(int, 1, example="--frames 4"), default=4, help="Wan's latent frames (at half the latent side)")
+    p.add_argument("--batch", type=bounded(int, 1, example="--batch 1"), default=1)
+    p.add_argument("--policy", default="random", choices=[name for name in POLICIES if name != "none"],
+                   help="the routed side's policy (the unrouted side is the comparison)")
+    p.add_argument("--ratio", type=bounded(float, 0.01, 0.99, example="--ratio 0.5"), default=0.5)
     p.add_argument("--start", type=int, default=2)
     p.add_argument("--end", type=int, default=-2)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--repeats", type=bounded(int, 1, example="--repeats 3"), default=3)
+    p.add_argument("--warmup", type=bounded(int, 0, example="--warmup 1"), default=1)
+    p.add_argument("--device", type=device_type, default="cpu")
     p.add_argument("--bf16", action="store_true", help="autocast to bf16 (GPU)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=bounded(int, 1, example="--threads 2"), default=None, help="torch CPU threads (default: torch's choice)")
     args = p.parse_args(argv)
+    if args.latent % 2:
+        p.error(f"--latent {args.latent} is not a multiple of the models' 2x2 patches (e.g. --latent {args.latent - 1})")
     if args.threads:
         torch.set_num_threads(args.threads)
     where = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"cpu ({platform.processor() or platform.machine()}), threads={torch.get_num_threads()}"

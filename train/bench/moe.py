@@ -11,7 +11,6 @@ data; and the per-class average with the overall mean) and prints the numbers.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import matplotlib
@@ -25,7 +24,7 @@ from backbones.diffmoe import capacity_stats, moe_layers, set_inference_capacity
 from edm import generate  # noqa: E402
 from routing import ConfigError  # noqa: E402
 from train.checkpoint import load_run  # noqa: E402
-from train.cli import friendly_errors  # noqa: E402
+from train.cli import ArgumentParser, bounded, device as device_type, existing, friendly_errors, writable_file  # noqa: E402
 from train.grid import grid_labels  # noqa: E402
 
 
@@ -72,18 +71,18 @@ def plot(loads: torch.Tensor, labels: torch.Tensor, num_classes: int, out: Path,
 
 @friendly_errors
 def main(argv: list[str] | None = None) -> torch.Tensor:
-    parser = argparse.ArgumentParser(prog="python -m train.bench.moe", description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", help="run folder or checkpoint folder of a diffmoe run")
-    parser.add_argument("--steps", type=int, default=18, help="sampler steps")
-    parser.add_argument("--per-class", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--moe-threshold", type=float, help="one capacity threshold for every expert")
-    parser.add_argument("--moe-target", type=float, help="average activated experts per token")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, help="PNG (default: <checkpoint>/moe_dynamics.png)")
+    parser = ArgumentParser(prog="python -m train.bench.moe", description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", type=existing("checkpoint"), help="run folder or checkpoint folder of a diffmoe run")
+    parser.add_argument("--steps", type=bounded(int, 1, example="--steps 18"), default=18, help="sampler steps")
+    parser.add_argument("--per-class", type=bounded(int, 1, example="--per-class 8"), default=8)
+    parser.add_argument("--seed", type=bounded(int, 0, example="--seed 0"), default=0)
+    parser.add_argument("--moe-threshold", type=bounded(float, 0, 1, example="--moe-threshold 0.5"), help="one capacity threshold for every expert")
+    parser.add_argument("--moe-target", type=bounded(float, 0.01, example="--moe-target 1.0"), help="average activated experts per token")
+    parser.add_argument("--device", type=device_type, default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=writable_file, help="PNG (default: <checkpoint>/moe_dynamics.png)")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.per_class < 1:
-        raise ConfigError("--steps and --per-class must be at least 1.")
+    if args.moe_threshold is not None and args.moe_target is not None:
+        parser.error("give --moe-threshold or --moe-target, not both")
     loaded = load_run(args.checkpoint, args.device)
     net, ds = loaded.net, loaded.dataset
     if not any(m.mode == "global_pool" for m in moe_layers(net)):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from backbones import build_backbone
+from train.cli import ArgumentParser, bounded, check_tokens
 
 
 @dataclass(frozen=True)
@@ -84,14 +85,13 @@ def markdown(table: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m train.bench.presets", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--latent", type=int, default=32, help="latent side (32 for 256x256 images with an 8x VAE)")
-    parser.add_argument("--patch", type=int, default=2)
-    parser.add_argument("--classes", type=int, default=1000)
+    parser = ArgumentParser(prog="python -m train.bench.presets", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--latent", type=bounded(int, 1, example="--latent 32"), default=32, help="latent side (32 for 256x256 images with an 8x VAE)")
+    parser.add_argument("--patch", type=bounded(int, 1, example="--patch 2"), default=2)
+    parser.add_argument("--classes", type=bounded(int, 1, example="--classes 1000"), default=1000)
     args = parser.parse_args(argv)
-    if args.latent < 1 or args.patch < 1 or args.classes < 1 or args.latent % args.patch:
-        parser.error(f"--latent {args.latent} must be a positive multiple of --patch {args.patch}, and --classes positive.")
+    check_tokens(parser, args.latent, args.patch, side_flag="--latent")
     print(f"Parameters at {args.latent}x{args.latent}x4 latents, patch {args.patch}, {args.classes} classes "
           f"({(args.latent // args.patch) ** 2} tokens):\n")
     print(markdown(rows(args.latent, args.patch, args.classes)))

@@ -54,7 +54,7 @@ from train.bench.stats import summary, verdict, welch_difference  # noqa: E402
 from train.bench.store import reuse_or_compute, write_json_atomic  # noqa: E402
 from train.build import objective_name  # noqa: E402
 from train.checkpoint import load_run  # noqa: E402
-from train.cli import ArgumentParser, bounded, friendly_errors  # noqa: E402
+from train.cli import ArgumentParser, bounded, device as device_type, existing, friendly_errors, output_folder  # noqa: E402
 from train.data import build_dataset  # noqa: E402
 from train.grid import grid_labels  # noqa: E402
 from train.metrics.classifier import features, load_or_train, sample_scores  # noqa: E402
@@ -343,7 +343,7 @@ def plot(agg: list[dict], path: Path) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = ArgumentParser(prog="python -m train.bench.sampling", description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", help="run or checkpoint folders (trained with routing), or earlier studies' "
+    parser.add_argument("runs", nargs="+", type=existing("run"), help="run or checkpoint folders (trained with routing), or earlier studies' "
                         "table.json (their checkpoints may be gone); a group's runs are its seeds")
     parser.add_argument("--gammas", type=bounded(float, 0, 0.99), nargs="*", default=[0.25, 0.5, 0.75], help="routed-inference ratios")
     parser.add_argument("--cfg", type=bounded(float, 0, 100), nargs="*", default=[1.5, 2.0], help="classifier-free guidance scales")
@@ -357,10 +357,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--per-class", type=bounded(int, 2), default=20)
     parser.add_argument("--num-real", type=bounded(int, 2), default=1000, help="real images of the FD reference")
     parser.add_argument("--seed", type=bounded(int, 0), default=0, help="sampling seed (the same for every run and rule)")
-    parser.add_argument("--cache-dir", default="~/.cache/tread-zoo", help="where the bench cached its classifier")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--cache-dir", type=output_folder, default="~/.cache/tread-zoo", help="where the bench cached its classifier")
+    parser.add_argument("--device", type=device_type, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=bounded(int, 1), help="torch CPU threads")
-    parser.add_argument("--out", type=Path, default=Path("bench_runs/sampling"))
+    parser.add_argument("--out", type=output_folder, default=Path("bench_runs/sampling"))
     return parser.parse_args(argv)
 
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from backbones.ops.cuda_kernels import cuda_selective_scan, triton_selective_scan
 from backbones.ops.selective_scan import num_chunks, selective_scan, selective_scan_ref
 from train.bench.timing import roofline
+from train.cli import ArgumentParser, bounded, device as device_type
 
 REFERENCE = dict(b=64, d=768, length=256, n=16)  # the shape: one direction of a Mamba-S/B mixer at batch 64
 # Largest b * d * l * n at which the sequential reference (autograd through one step at a time) is timed.
@@ -183,20 +184,20 @@ def print_block_kernel_counts(device: torch.device) -> None:
     print(f"  compiled: {summary(compiled)}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m train.bench.scan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--length", type=int, default=256)
-    parser.add_argument("--dim", type=int, default=768)
-    parser.add_argument("--state", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds; the minimum is reported")
-    parser.add_argument("--ref-repeats", type=int, default=2, help="rounds with the slow reference (0 skips it)")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--device", default="cpu", help="cuda adds our Triton kernel, and mamba-ssm's when it is installed")
+def main(argv: list[str] | None = None) -> None:
+    parser = ArgumentParser(prog="python -m train.bench.scan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=bounded(int, 1, example="--batch 8"), default=8)
+    parser.add_argument("--length", type=bounded(int, 1, example="--length 256"), default=256)
+    parser.add_argument("--dim", type=bounded(int, 1, example="--dim 768"), default=768)
+    parser.add_argument("--state", type=bounded(int, 1, example="--state 16"), default=16)
+    parser.add_argument("--repeats", type=bounded(int, 1, example="--repeats 5"), default=5, help="interleaved rounds; the minimum is reported")
+    parser.add_argument("--ref-repeats", type=bounded(int, 0, example="--ref-repeats 2"), default=2, help="rounds with the slow reference (0 skips it)")
+    parser.add_argument("--threads", type=bounded(int, 1, example="--threads 2"), default=2)
+    parser.add_argument("--device", type=device_type, default="cpu", help="cuda adds our Triton kernel, and mamba-ssm's when it is installed")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="dtype of u, delta, B, C (state and sums stay fp32)")
     parser.add_argument("--count-kernels", action="store_true", help="count the kernels of one Mamba block's training "
                         "step, eager and compiled, instead of timing the scan")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.count_kernels:
         print_block_kernel_counts(torch.device(args.device))
         return

@@ -14,7 +14,6 @@ the ratio trainer / bare: a ratio from one run, not a test.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import tempfile
@@ -22,26 +21,29 @@ import tempfile
 import torch
 
 from train.bench.timing import step_clock, training_step
+from train.cli import ArgumentParser, bounded, friendly_errors, precompose
 
 
 def compose_training(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    from train.cli import CONFIGS
-
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
+    """The training config of these overrides, checked as `python -m train` checks it: a bad key, value or data
+    folder is one sentence and exit code 2, before any work (train/cli.py)."""
+    return precompose("config", overrides)
 
 
+@friendly_errors  # what the trainer refuses once built (a checkpoint, a data file): one sentence
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m train.bench.trainer_speed", description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=10, help="steps per round (the trainer reads the device once per round)")
-    p.add_argument("--warmup", type=int, default=3, help="steps of each before timing")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p = ArgumentParser(prog="python -m train.bench.trainer_speed", description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=bounded(int, 1, example="--batch 64"), default=64)
+    p.add_argument("--rounds", type=bounded(int, 1, example="--rounds 5"), default=5)
+    p.add_argument("--steps", type=bounded(int, 1, example="--steps 10"), default=10,
+                   help="steps per round (the trainer reads the device once per round)")
+    p.add_argument("--warmup", type=bounded(int, 0, example="--warmup 3"), default=3, help="steps of each before timing")
+    p.add_argument("--threads", type=bounded(int, 1, example="--threads 2"), default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("overrides", nargs="*", help="training config overrides, e.g. routing=random backbone=rwkv")
     args = p.parse_args(argv)
+    if any(arg.startswith("-") for arg in args.overrides):
+        p.error(f"{next(a for a in args.overrides if a.startswith('-'))} is not a flag of this command; training settings "
+                "are key=value overrides (e.g. routing=random)")
     if args.threads:
         torch.set_num_threads(args.threads)
     from train.trainer import Trainer

@@ -24,6 +24,7 @@ import torch
 
 from backbones.ops.wkv import bi_wkv, bi_wkv_reference
 from train.bench.timing import CARD_BANDWIDTH, interleaved_medians, roofline
+from train.cli import ArgumentParser, bounded, device as device_type
 
 REFERENCE_SHAPE = (64, 256, 384)
 
@@ -128,16 +129,17 @@ def print_block_kernels() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m train.bench.wkv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--B", type=int, default=8)
-    parser.add_argument("--T", type=int, default=256)
-    parser.add_argument("--C", type=int, default=384)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--chunk-len", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--device", default="cpu", help="cuda adds the Triton kernels")
+    parser = ArgumentParser(prog="python -m train.bench.wkv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--B", type=bounded(int, 1, example="--B 8"), default=8)
+    parser.add_argument("--T", type=bounded(int, 1, example="--T 256"), default=256)
+    parser.add_argument("--C", type=bounded(int, 1, example="--C 384"), default=384)
+    parser.add_argument("--repeats", type=bounded(int, 1, example="--repeats 7"), default=7)
+    parser.add_argument("--chunk-len", type=bounded(int, 1, example="--chunk-len 32"), default=32)
+    parser.add_argument("--threads", type=bounded(int, 1, example="--threads 2"), default=2)
+    parser.add_argument("--device", type=device_type, default="cpu", help="cuda adds the Triton kernels")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="dtype of k and v")
-    parser.add_argument("--reference-limit", type=float, default=3e8, help="time the O(T^2) reference while B T^2 C <= this")
+    parser.add_argument("--reference-limit", type=bounded(float, 0, example="--reference-limit 3e8"), default=3e8,
+                        help="time the O(T^2) reference while B T^2 C <= this")
     parser.add_argument("--counts-only", action="store_true", help="print the bytes and programs, time nothing")
     parser.add_argument("--block-kernels", action="store_true",
                         help="count the kernels of an RWKV block's training step, eager and compiled (CPU profiler)")
