@@ -1,4 +1,4 @@
-"""A tiny Wan pipeline and a moving-shapes clip folder, written offline, for the CPU demo of docs/finetuning.md.
+"""A tiny Wan pipeline and a moving-shapes clip folder, written offline, for the CPU demo of docs/finetuning_video.md.
 
     python docs/figures/finetune_tiny_wan.py --pipeline runs/tiny-wan/pipeline --clips runs/tiny-wan/clips
 

@@ -3,7 +3,7 @@
     python -m train.bench.figure                  # docs/figures/front.png from the committed Fashion-MNIST cells (seconds)
     python -m train.bench.figure --results docs/bench/fashion --out front.png
 
-Reads only what the Fashion-MNIST bench commits (docs/benchmarks.md): the cell files (classifier-FD at equal compute,
+Reads only what the Fashion-MNIST bench commits (docs/benchmark_results.md): the cell files (classifier-FD at equal compute,
 one file per seed) and the scored sample grids it wrote per cell (samples/<cell>.png, one row per class). Left: for
 each family, the grid of its best recipe (lowest mean classifier-FD), seed 0. Right: every family's recipes, the mean
 over seeds with its 95% t-interval. No checkpoint is needed, so a fresh clone redraws it.
