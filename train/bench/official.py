@@ -37,7 +37,7 @@ from edm import EDMPrecond
 from routing import ConfigError, count_flops
 from train.bench.routing import _Forward, peak_tflops, routed_pair
 from train.bench.timing import interleaved_medians, step_clock, training_step
-from train.cli import ArgumentParser, device as device_type, refuse
+from train.cli import ArgumentParser, bounded, check_tokens, device as device_type, refuse
 from train.compiling import MODES, compile_network, compiled_graphs
 
 FILES = ("dit.py", "routing_module.py")
@@ -197,22 +197,24 @@ def parse(argv=None):
     p = ArgumentParser(prog="python -m train.bench.official", description=__doc__.splitlines()[0])
     p.add_argument("--tread", required=True, metavar="DIR", help="folder with a local copy of CompVis/tread's dit.py and routing_module.py")
     p.add_argument("--presets", nargs="+", default=["XL"], choices=list(PRESETS))
-    p.add_argument("--input-size", type=int, default=32, help="latent side; 32 with patch 2 gives 256 tokens")
-    p.add_argument("--channels", type=int, default=4)
-    p.add_argument("--patch", type=int, default=2)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--input-size", type=bounded(int, 1, example="--input-size 32"), default=32, help="latent side; 32 with patch 2 gives 256 tokens")
+    p.add_argument("--channels", type=bounded(int, 1, example="--channels 4"), default=4)
+    p.add_argument("--patch", type=bounded(int, 1, example="--patch 2"), default=2)
+    p.add_argument("--batch", type=bounded(int, 1, example="--batch 64"), default=64)
+    p.add_argument("--repeats", type=bounded(int, 1, example="--repeats 7"), default=7)
+    p.add_argument("--warmup", type=bounded(int, 0, example="--warmup 2"), default=2)
     p.add_argument("--device", type=device_type, default="cpu")
     p.add_argument("--bf16", action="store_true", help="autocast to bf16 (GPU)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=bounded(int, 1, example="--threads 2"), default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--compile", nargs="?", const="blocks", default="off", choices=MODES,
                    help="how ours runs: off; blocks (each block, as trainer.compile=blocks); model (the whole denoiser). "
                         "The official blocks compile themselves (their @torch.compile)")
     p.add_argument("--cuda-graphs", action="store_true", help="capture our compiled step in CUDA graphs (with --compile model on CUDA)")
     p.add_argument("--compile-regions", action="store_true", help="each of our blocks a nested compile region, compiled once (with --compile model)")
-    p.add_argument("--peak-tflops", type=float, default=None, help="the card's dense bf16 peak, for MFU (default: known cards)")
+    p.add_argument("--peak-tflops", type=bounded(float, 0.001, example="--peak-tflops 989"), default=None,
+                   help="the card's dense bf16 peak, for MFU (default: known cards)")
     args = p.parse_args(argv)
+    check_tokens(p, args.input_size, args.patch)
     if args.compile_regions and args.compile != "model":
         p.error(f"--compile-regions makes regions inside the whole compiled network; add --compile model (not {args.compile})")
     return args

@@ -16,7 +16,6 @@ utilization: counted FLOPs / step time / the card's dense bf16 peak (--peak-tflo
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from train.build import build_router
 from train.compiling import MODES, compile_network, compiled_graphs
 from routing import count_flops
 from train.bench.timing import interleaved_medians, training_step
+from train.cli import ArgumentParser, bounded, check_presets, check_tokens, device as device_type
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -116,25 +116,29 @@ def measure(args, preset: str) -> dict:
 
 
 def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m train.bench.routing", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m train.bench.routing", description=__doc__.splitlines()[0])
     p.add_argument("--backbone", default="dit", choices=["dit", "rwkv", "mamba", "diffmoe"])
     p.add_argument("--presets", nargs="+", default=["tiny", "S"])
-    p.add_argument("--policy", default="random", help="routing config to compare with none (random, rows, l1norm, structured, sprint)")
-    p.add_argument("--input-size", type=int, default=32, help="latent side; 32 with patch 2 gives 256 tokens")
-    p.add_argument("--channels", type=int, default=4)
-    p.add_argument("--patch", type=int, default=2)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--policy", default="random", choices=sorted(f.stem for f in (CONFIGS / "routing").glob("*.yaml") if f.stem != "none"),
+                   help="routing config (configs/routing/) to compare with none")
+    p.add_argument("--input-size", type=bounded(int, 1, example="--input-size 32"), default=32, help="latent side; 32 with patch 2 gives 256 tokens")
+    p.add_argument("--channels", type=bounded(int, 1, example="--channels 4"), default=4)
+    p.add_argument("--patch", type=bounded(int, 1, example="--patch 2"), default=2)
+    p.add_argument("--batch", type=bounded(int, 1, example="--batch 8"), default=8)
+    p.add_argument("--repeats", type=bounded(int, 1, example="--repeats 7"), default=7)
+    p.add_argument("--warmup", type=bounded(int, 0, example="--warmup 2"), default=2)
+    p.add_argument("--device", type=device_type, default="cpu")
     p.add_argument("--bf16", action="store_true", help="autocast to bf16 (GPU)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=bounded(int, 1, example="--threads 2"), default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--compile", nargs="?", const="blocks", default="off", choices=MODES,
                    help="off; blocks (each block compiled, as trainer.compile=blocks; --compile alone); model (the whole denoiser)")
     p.add_argument("--cuda-graphs", action="store_true", help="capture the compiled step in CUDA graphs (with --compile model on CUDA)")
     p.add_argument("--compile-regions", action="store_true", help="each block a nested compile region, compiled once (with --compile model)")
-    p.add_argument("--peak-tflops", type=float, default=None, help="the card's dense bf16 peak, for MFU (default: known cards)")
+    p.add_argument("--peak-tflops", type=bounded(float, 0.001, example="--peak-tflops 989"), default=None,
+                   help="the card's dense bf16 peak, for MFU (default: known cards)")
     args = p.parse_args(argv)
+    check_presets(p, args.backbone, args.presets)
+    check_tokens(p, args.input_size, args.patch)
     if args.compile_regions and args.compile != "model":
         p.error(f"--compile-regions makes regions inside the whole compiled network; add --compile model (not {args.compile})")
     if args.threads:
