@@ -216,6 +216,12 @@ CASES = [
     T("weight_decay_2", ["trainer.weight_decay=2"], names="trainer.weight_decay", slow=True),
     T("max_weight_growth_1", ["trainer.max_weight_growth=1"], names="trainer.max_weight_growth", slow=True),
     T("fp16_on_cpu", ["trainer.mixed_precision=fp16"], names="trainer.mixed_precision"),
+    # Combinations that would do nothing in silence: every step skipped as non-finite, graphs never captured.
+    T("align_weight_inf", ["align=self", "align.weight=inf"], names="align.weight=inf is not a finite number", base=FRESH),
+    T("align_weight_nan", ["align=self", "align.weight=nan"], names="align.weight=nan is not a finite number", base=FRESH, slow=True),
+    T("cuda_graphs_without_compile_model", ["trainer.cuda_graphs=true"], names="trainer.compile=off, so no graph would be used"),
+    T("cuda_graphs_with_compile_blocks", ["trainer.compile=blocks", "trainer.cuda_graphs=true"], names="trainer.compile=blocks",
+      slow=True),
     T("unknown_key", ["trainer.nonsense=1"], names="trainer.nonsense", slow=True),
     T("lr_text", ["trainer.lr=fast"], names="trainer.lr", slow=True),
     T("route_ratio_text", ["routing=random", ROUTE.format(r="abc", s=1, e=1)], names="routing.routes[0].selection_ratio"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import re
 import typing
 from pathlib import Path
@@ -144,6 +145,11 @@ def wrong_type(path: str, value: Any, cfg: Any = None) -> ConfigError:
 def out_of_range(path: str, value: Any, meta: dict) -> ConfigError:
     if meta.get("choices"):
         return ConfigError(f"{path}={value!r} is unknown; choose {describe_range(meta)}{_example(path, meta)}.")
+    items = list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
+    if any(isinstance(v, float) and not math.isfinite(v) for v in items):
+        shown, bounds = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value, describe_range(meta)
+        return ConfigError(f"{path}={shown!r} is not a finite number; give a finite value{' ' + bounds if bounds else ''}"
+                           f"{_example(path, meta)}.")
     return ConfigError(f"{path}={value!r} is out of range; it must be {describe_range(meta)}{_example(path, meta)}.")
 
 
@@ -247,6 +253,7 @@ def check_config(cfg: Any) -> None:
         if typed[section] is not None:
             _check_ranges(typed[section], options[typed[section].name], f"{section}.")
     _check_trackers(typed.trainer.log_with)
+    _check_cuda_graphs(typed.trainer)
     _check_resume(typed.resume)
     _check_backbone(typed.backbone)
     _check_routing(typed.routing)
@@ -292,6 +299,14 @@ def _check_trackers(value: Any) -> None:
         if importlib.util.find_spec(TRACKERS[name]) is None and not (name == "tensorboard" and importlib.util.find_spec("tensorboardX")):
             raise ConfigError(f"trainer.log_with={name} needs the {TRACKERS[name]} package; `pip install {TRACKERS[name]}`, or drop it "
                               "(trainer.log_with=none keeps metrics.jsonl only).")
+
+
+def _check_cuda_graphs(t: DictConfig) -> None:
+    """CUDA graphs capture the whole compiled network: with any other trainer.compile they would never be used."""
+    mode = {True: "blocks", False: "off"}.get(t.compile, t.compile)  # configs written before the modes said true / false
+    if t.cuda_graphs and mode != "model":
+        raise ConfigError(f"trainer.cuda_graphs=true captures the whole compiled network, but trainer.compile={mode}, so no graph "
+                          "would be used; set trainer.compile=model, or trainer.cuda_graphs=false.")
 
 
 def _check_resume(resume: Any) -> None:

@@ -54,7 +54,9 @@ def describe_range(meta: dict) -> str:
 
 
 def in_range(value: float, meta: dict) -> bool:
-    if isinstance(value, float) and math.isnan(value):
+    """Within the key's bounds, and finite: no key means anything by inf or NaN (align.weight=inf would skip every
+    step as non-finite)."""
+    if isinstance(value, float) and not math.isfinite(value):
         return False
     checks = (("ge", lambda b: value >= b), ("gt", lambda b: value > b), ("le", lambda b: value <= b), ("lt", lambda b: value < b))
     return all(meta.get(name) is None or ok(meta[name]) for name, ok in checks)
