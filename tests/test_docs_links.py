@@ -17,6 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 GUIDES = sorted((ROOT / "docs").glob("*.md"))
+REPORTS = sorted((ROOT / "docs").glob("reports/*.md")) + sorted((ROOT / "docs").glob("gpu/*/*.md"))
 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 HEX = re.compile(r"(?<![0-9A-Za-z_#/.-])[0-9a-f]{7,40}(?![0-9A-Za-z_])")
@@ -133,7 +134,7 @@ def parse_command(module: str, args: list[str], monkeypatch) -> None:
         importlib.import_module(module).main(args)
 
 
-@pytest.mark.parametrize("page", [README, *GUIDES], ids=lambda p: p.name)
+@pytest.mark.parametrize("page", [README, *GUIDES, *REPORTS], ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_and_image_resolves(page):
     assert broken_links(page) == []
 
