@@ -130,6 +130,34 @@ def move_aside(run_dir: Path) -> Path:
     return aside
 
 
+# Folders of a run where a kill can leave the temporary file of an atomic write (`.<name>.<pid>.tmp`, train/files/atomic.py):
+# the folder itself (metrics.jsonl trimmed on resume, config.yaml), Hydra's record and the sample grids.
+TEMPORARY_DIRS = (".", ".hydra", "samples")
+
+
+def remove_stale_temporaries(run_dir: Path) -> list[str]:
+    """Remove the temporary files that killed processes left in `run_dir`'s folders (the pid in the name no longer
+    runs; a live writer's stay); returns what it removed, for the log. Called once the trainer holds the folder's lock (`_commit`)."""
+    done = []
+    for folder in (run_dir / d for d in TEMPORARY_DIRS):
+        for tmp in sorted(folder.glob(".*.*.tmp")) if folder.is_dir() else []:
+            pid = tmp.name.rsplit(".", 2)[-2]
+            if pid.isdigit() and tmp.is_file() and not _running(int(pid)):
+                tmp.unlink(missing_ok=True)
+                done.append(f"removed {tmp.relative_to(run_dir)}")
+    return done
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 # Trainers of one process share its lock on a folder (tests and the benchmark build several in turn); the
 # lock is released when the last of them lets go.
 _HELD: dict[str, list] = {}

@@ -3,13 +3,16 @@
 Start the same bench command in several processes (one thread each on a CPU) and each takes the next cell that is
 neither measured nor claimed, so no cell is trained twice and no process idles while cells remain, whatever their
 lengths. A claim is a file holding the owner's pid, created atomically; a claim whose process has died (killed,
-machine restarted) is stale and taken over, and the cell then continues from its last checkpoint.
+machine restarted) is stale and taken over, and the cell then continues from its last checkpoint. What every process
+needs before its cells, the scoring classifier, is claimed too (`waiting_claim`): one process trains it, the others wait
+for it and load it from the cache.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -53,3 +56,18 @@ def claim(path: Path) -> Iterator[int | None]:
         yield None
     finally:
         path.unlink(missing_ok=True)
+
+
+@contextmanager
+def waiting_claim(path: Path, log: Callable[[str], None] = print, poll_s: float = 1.0) -> Iterator[None]:
+    """Hold the claim at `path` for the block, waiting (one line said) while another live process holds it."""
+    said = False
+    while True:
+        with claim(path) as holder:
+            if holder is None:
+                yield
+                return
+        if not said:
+            log(f"waiting for pid {holder}, which holds {path}; it trains what this process would load")
+            said = True
+        time.sleep(poll_s)

@@ -41,7 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from routing import ConfigError
-from train.bench.claims import claim
+from train.bench.claims import claim, waiting_claim
 from train.bench.cells import grid_cells, recipe_label, set_step_budget
 from train.bench.cost import cost_phase, speedups
 from train.bench.plots import plot_bars, plot_loss_curves, plot_quality_curves
@@ -213,8 +213,10 @@ def run(bench: DictConfig, record: HydraRecord | None = None) -> list[dict]:
     # Quality: one unit per training run.
     clf_cfg = ClassifierConfig(**{f.name: bench.classifier[f.name] for f in fields(ClassifierConfig)})
     test = held_out_split(cfg, cfg.edm.sigma_data)  # Fashion-MNIST's test split; None for digits and shapes
-    classifier, clf_meta = load_or_train(dataset, clf_cfg, bench.classifier.cache_dir, test)
-    refuse_another_scorer(results / "cells", clf_meta, cache_path(bench.classifier.cache_dir, dataset))
+    scorer = cache_path(bench.classifier.cache_dir, dataset)
+    with waiting_claim(scorer.with_name(f"{scorer.name}.claim"), log=log.info):  # trained by one process at a time
+        classifier, clf_meta = load_or_train(dataset, clf_cfg, bench.classifier.cache_dir, test)
+    refuse_another_scorer(results / "cells", clf_meta, scorer)
     log.info(f"classifier for {dataset.name} {tuple(dataset.shape)}: held-out accuracy {clf_meta['heldout_accuracy']:.1%} "
              f"({clf_meta['accuracy_on']})")
     evaluation = Evaluation(bench, cfg, dataset, classifier, test)

@@ -4,7 +4,9 @@ prompts), and what `python -m train.sample --prompts-file` samples.
 `sample.prompts` is a list of texts or the path of a UTF-8 text file with one prompt per line (blank lines skipped).
 At set-up the prompts are encoded once, with the text encoders the run is conditioned with and at its training text
 length, into a prompt table of their own (row P: the empty prompt, CFG's unconditional branch). A preview swaps that
-table into the EMA model for its grid and puts the training table back, so training never sees the prompts.
+table into the EMA model for its grid and puts the training table back, so training never sees the prompts. A preview
+shows at most PREVIEW_PROMPTS of them (the first; one line says so), so a long file costs neither minutes per preview
+nor a grid of thousands of rows; `python -m train.sample --prompts-file` samples every line.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from routing.errors import ConfigError
 from train.data.prompts import PromptTable, check_table, encode_table
 
 KEY = "sample.prompts"
+PREVIEW_PROMPTS = 16  # rows of a preview grid; more are cut, in one line
 EXAMPLE = 'sample.prompts=["a photo of sks dog","sks dog on a beach"]'
 
 
@@ -94,6 +97,10 @@ def encode_validation(cfg, model, device, log=print) -> PromptTable | None:
     if prompts is None:
         return None
     folder = text_pipeline(cfg)
+    if len(prompts) > PREVIEW_PROMPTS:
+        log(f"{KEY}: {len(prompts)} prompts; the previews show the first {PREVIEW_PROMPTS}, one row each "
+            f"(python -m train.sample --prompts-file samples them all)")
+        prompts = prompts[:PREVIEW_PROMPTS]
     log(f"{KEY}: encoding {len(prompts)} validation prompts for the previews with the text encoders of {folder}")
     return encode_table(cfg.finetune.family, folder, prompts, device=str(device), dtype=cfg.finetune.dtype,
                         like=model.encoder_hidden_states)

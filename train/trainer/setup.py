@@ -30,7 +30,7 @@ from train.distributed import ShardedEma, shard_blocks, shard_projector, sharded
 from train.files import read_metrics
 from train.logger import MetricsLogger
 from train.metrics.alignment import align_name, build_alignment
-from train.rundir import HydraRecord, move_aside, refuse_used
+from train.rundir import HydraRecord, move_aside, refuse_used, remove_stale_temporaries
 from train.schema import check_config as schema_check
 from train.schema.sample import preview_every
 
@@ -175,6 +175,8 @@ class SetUp:
             self._claim.commit()
             for line in recover_checkpoints(self.run_dir / "checkpoints"):
                 print(f"run_dir: {line} (left by an interrupted save)")
+            for line in remove_stale_temporaries(self.run_dir):
+                print(f"run_dir: {line} (left by an interrupted write)")
             if self._move_aside:
                 self.acc.print(f"overwrite=true: moved the previous run in {self.run_dir} to {move_aside(self.run_dir)}")
             if record is not None:
