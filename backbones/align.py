@@ -5,7 +5,8 @@ self-alignment (a later block of the model itself, SRA / LayerSync), on every fa
   clean image at that token); the projector is three linear layers with SiLU (width 2048 in REPA), lambda 0.5.
 - self, teacher=ema (SRA, Jiang et al. 2025): the teacher is the EMA model's block-T state at a lower noise level
   (flow time t - gap * u, u ~ U[0, 1), gap 0.2 in SRA), run without gradient and with every token; SRA's loss is a
-  smooth L1 (beta 0.05) between projector(h_l) and that state.
+  smooth L1 (beta 0.05) between head(h_l) and that state, its head Linear(D, 2D) - SiLU - Linear(2D, D), and its
+  blocks 8 and 20 of 28 (4 and 8 of its small model's 12, 1-based), scaled to other depths by `sra_blocks`.
 - self, teacher=online (LayerSync): block T of this same forward, detached (no gradient reaches the teacher).
 
 `Alignment` holds the projector only, so it is saved with the run beside the model and never enters the model's
@@ -27,14 +28,53 @@ from routing.errors import ConfigError
 MODES = ("repa", "self")
 TEACHERS = ("ema", "online")
 DEFAULT_LOSS = {"repa": "cosine", "self": "smooth_l1"}
+DEFAULT_HEAD = {"repa": "repa", "self": "sra"}
 EDM_SIGMA_MIN = 0.002  # EDM's smallest noise level: the teacher's sigma never reaches 0 (ln 0 in c_noise)
 
 
 class Projector(nn.Sequential):
-    """Linear(D, W) - SiLU - Linear(W, W) - SiLU - Linear(W, C): hidden state -> target feature space."""
+    """REPA's projector, Linear(D, W) - SiLU - Linear(W, W) - SiLU - Linear(W, C): hidden state -> target feature space."""
 
     def __init__(self, hidden_size: int, width: int, out_dim: int):
         super().__init__(nn.Linear(hidden_size, width), nn.SiLU(), nn.Linear(width, width), nn.SiLU(), nn.Linear(width, out_dim))
+
+
+class SRAHead(nn.Sequential):
+    """SRA's head, Linear(D, W) - SiLU - Linear(W, C), W = 2D in SRA: the student's state -> the teacher's."""
+
+    def __init__(self, hidden_size: int, width: int, out_dim: int):
+        super().__init__(nn.Linear(hidden_size, width), nn.SiLU(), nn.Linear(width, out_dim))
+
+
+HEADS = {"repa": Projector, "sra": SRAHead}
+
+
+def head_width(head: str, hidden_size: int, width: int | None) -> int:
+    """The head's hidden width: `width`, or the head's own (REPA: 2048; SRA: twice the model's width)."""
+    if width is not None:
+        return width
+    return 2 * hidden_size if head == "sra" else 2048
+
+
+def sra_blocks(depth: int) -> tuple[int, int]:
+    """SRA's student and teacher blocks (0-based) at `depth`: the line through SRA's two defaults, blocks 4 and 8 of
+    12 (its small model) and 8 and 20 of 28 (SiT-XL), 1-based, i.e. student depth/4 + 1 and teacher 3 depth/4 - 1.
+    Depth 8 (the tiny preset): blocks 2 and 4 (0-based); depth 12: 3 and 7; depth 28: 7 and 19."""
+    if depth < 2:
+        raise ConfigError(f"self-alignment aligns one block with a later one, but the model has {depth} block; use backbone.depth >= 2.")
+    student = depth // 4  # 1-based depth/4 + 1
+    teacher = min(max(3 * depth // 4 - 2, student + 1), depth - 1)  # 1-based 3 depth/4 - 1, after the student
+    return student, teacher
+
+
+def default_blocks(mode: str, layer: int | None, teacher_layer: int | None, depth: int) -> tuple[int, int | None]:
+    """The config's blocks with a null one filled in: SRA's (`sra_blocks`) for self; REPA names its block itself."""
+    if mode == "self" and (layer is None or teacher_layer is None):
+        student, teacher = sra_blocks(depth)
+        return student if layer is None else layer, teacher if teacher_layer is None else teacher_layer
+    if layer is None:
+        raise ConfigError("align.layer=null picks SRA's blocks, which only align=self has; set align.layer (REPA: block 8 of 28, align.layer=7).")
+    return layer, teacher_layer
 
 
 def gather_tokens(x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
@@ -74,13 +114,15 @@ class Alignment(nn.Module):
     """The weighted alignment loss of one micro-batch; its only parameters are the projector's.
 
     backbone: the online Backbone (its blocks are hooked now); layer, teacher_layer: block indices, negative from
-    the end; target_dim: the encoder's feature width for REPA (the backbone's width for self); targets: for REPA, a
+    the end (None for self: SRA's, `sra_blocks`); head: repa | sra (None: the mode's own, REPA's projector for repa and
+    SRA's head for self); width: the head's hidden width (None: the head's own, `head_width`); target_dim: the encoder's feature width for REPA (the backbone's width for self); targets: for REPA, a
     callable clean images (B, C, H, W) -> (B, N, C) features on the backbone's token grid, in raster order.
     """
 
-    def __init__(self, backbone: nn.Module, mode: str, layer: int, *, weight: float = 0.5, width: int = 2048,
+    def __init__(self, backbone: nn.Module, mode: str, layer: int | None, *, weight: float = 0.5, width: int | None = None,
                  target_dim: int | None = None, loss: str | None = None, teacher_layer: int | None = None,
-                 teacher: str = "ema", teacher_gap: float = 0.2, targets: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 teacher: str = "ema", teacher_gap: float = 0.2, targets: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 head: str | None = None):
         super().__init__()
         if mode not in MODES:
             raise ConfigError(f"align={mode} is unknown; choose align=none, align=repa or align=self.")
@@ -93,9 +135,14 @@ class Alignment(nn.Module):
         self.mode, self.weight, self.teacher, self.teacher_gap = mode, float(weight), teacher, float(teacher_gap)
         self.loss_name = loss or DEFAULT_LOSS[mode]
         self.loss_fn = LOSSES[self.loss_name]
+        self.head = head or DEFAULT_HEAD[mode]
+        if self.head not in HEADS:
+            raise ConfigError(f"align.head={head!r} is unknown; choose repa (REPA's 3-layer projector) or sra (SRA's 2-layer head).")
+        layer, teacher_layer = default_blocks(mode, layer, teacher_layer, backbone.depth)
         routes = backbone.router.routes
         self.layer, self.teacher_layer = check_layers(routes, backbone.depth, layer, teacher_layer if mode == "self" else None, teacher)
-        self.projector = Projector(backbone.hidden_size, width, target_dim if mode == "repa" else backbone.hidden_size)
+        out_dim = target_dim if mode == "repa" else backbone.hidden_size
+        self.projector = HEADS[self.head](backbone.hidden_size, head_width(self.head, backbone.hidden_size, width), out_dim)
         online = [self.teacher_layer] if mode == "self" and teacher == "online" else []
         # Plain attributes, not submodules: neither the backbone nor the encoder belongs to this module's weights.
         self.__dict__["capture"] = HiddenCapture(backbone, [self.layer, *online])

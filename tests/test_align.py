@@ -13,7 +13,7 @@ from timm.models import save_for_hf
 from torch import nn
 
 from backbones import build_backbone
-from backbones.align import Alignment, gather_tokens, teacher_time
+from backbones.align import Alignment, gather_tokens, sra_blocks, teacher_time
 from backbones.capture import HiddenCapture
 from conftest import compose_cfg
 from edm import build_objective
@@ -144,8 +144,15 @@ def test_build_alignment_from_the_config(vit_file):
     check_config(cfg)
     align = build_alignment(cfg, model, encoder_dtype=torch.float32)
     assert (align.mode, align.layer, align.loss_name, align.projector[-1].out_features) == ("repa", 1, "cosine", 192)
-    selfish = build_alignment(compose_cfg("run_dir=/tmp/unused", "align=self", "align.projector_width=16"), tiny("dit", depth=8))
-    assert (selfish.layer, selfish.teacher_layer, selfish.teacher, selfish.loss_name) == (1, 5, "ema", "smooth_l1")
+    # align=self is SRA's: its blocks scaled to depth 8 (4 and 8 of 12, 8 and 20 of 28, 1-based -> 2 and 4 of 8, 0-based),
+    # its head Linear(D, 2D) - SiLU - Linear(2D, D), smooth L1 at weight 0.04 (0.4 x 0.1, its DiT variant).
+    selfish = build_alignment(compose_cfg("run_dir=/tmp/unused", "align=self"), tiny("dit", depth=8))
+    assert (selfish.layer, selfish.teacher_layer, selfish.teacher, selfish.loss_name, selfish.weight) == (2, 4, "ema", "smooth_l1", 0.04)
+    assert [type(m) for m in selfish.projector] == [nn.Linear, nn.SiLU, nn.Linear]
+    assert (selfish.projector[0].in_features, selfish.projector[0].out_features, selfish.projector[2].out_features) == (32, 64, 32)
+    assert [sra_blocks(d) for d in (2, 4, 6, 8, 12, 24, 28)] == [(0, 1), (1, 2), (1, 2), (2, 4), (3, 7), (6, 16), (7, 19)]
+    repa_head = build_alignment(compose_cfg("run_dir=/tmp/unused", "align=self", "align.head=repa", "align.projector_width=16"), tiny("dit", depth=8))
+    assert [m.out_features for m in repa_head.projector if isinstance(m, nn.Linear)] == [16, 16, 32]
 
 
 # Self-alignment
@@ -362,8 +369,8 @@ def test_capture_under_gradient_checkpointing_keeps_the_forward_state():
 @pytest.mark.parametrize("overrides, message", [
     (["align.weight=-0.5"], r"align.weight=-0.5 is out of range; it must be >= 0 \(e.g. align.weight=0.5\)"),
     (["align=self", "align.layer=8"], r"align.layer=8 is outside the model's 8 blocks; use an index in \[-8, 7\]"),
-    (["align=self", "align.teacher_layer=1"], r"align.teacher_layer=1 \(block 1\) is not after align.layer=1"),
-    (["align=self", "routing=random", "align.teacher=online", "align.teacher_layer=3"],
+    (["align=self", "align.teacher_layer=1"], r"align.teacher_layer=1 \(block 1\) is not after align.layer=2"),
+    (["align=self", "routing=random", "align.teacher=online", "align.layer=1", "align.teacher_layer=3"],
      r"align.teacher_layer=3 \(block 3\) lies in route r2->4, which holds only its kept tokens, but align.layer=1 \(block 1\) is "
      r"outside every route, so the online teacher cannot see every token the student aligns"),
     (["align=self", "routing=sprint", "align.teacher=online", "align.layer=2", "align.teacher_layer=6"], None),

@@ -356,7 +356,13 @@ def test_an_aligned_cell_is_named_costs_its_alignment_and_the_fashion_grid_keeps
             "timing.warmup=0", "timing.repeats=1"])
         cells = grid_cells(bench)
         fashion = compose(config_name="bench", overrides=["bench=fashion"])
-        fashion_cells = grid_cells(compose(config_name="bench", overrides=["bench=fashion", "grid.aligns=[none]"]))
+        every_cell = grid_cells(fashion)
+        fashion_cells = [c for c in every_cell if c.align in ("none", "self")]  # the committed ones
+        results = CONFIGS.parent / "docs/bench/fashion"
+        saved_cost = json.loads((results / "cost.json").read_text())
+        # measure_aligned=False: a cost file whose settings no longer matched would be left out (and fail below), not re-measured.
+        costs = cost_phase(fashion, [c for c in fashion_cells if c.seed == 0], results, tuple(saved_cost["settings"]["shape"]), 10,
+                           measure_aligned=False)["cells"]
         cost = cost_phase(bench, cells, tmp_path, (1, 8, 8), 10)["cells"]  # composes each family's unaligned base: in Hydra
         # measured_only: an alignment whose cost file does not exist yet is left out, not measured.
         unpriced = cost_phase(bench, cells, tmp_path / "fresh", (1, 8, 8), 10, measure_aligned=False)["cells"]
@@ -372,26 +378,30 @@ def test_an_aligned_cell_is_named_costs_its_alignment_and_the_fashion_grid_keeps
     assert set(json.loads((tmp_path / "cost.json").read_text())["cells"]) == {"dit-none", "dit-random"}
     aligned, plain = cost["dit-none-self"], cost["dit-none"]
     tokens, hidden = bench.timing.batch * plain["tokens"], bench.sizes.dit.hidden_size
-    projector = 3 * 2 * tokens * (hidden * width + width * width + width * hidden)  # forward + input and weight grads
+    projector = 3 * 2 * tokens * (hidden * width + width * hidden)  # SRA's 2-layer head: forward + input and weight grads
     assert aligned["flops"] > plain["flops"] + projector
-    assert aligned["params"] == plain["params"] and aligned["align_params"] == hidden * width + width * width + width * hidden + 2 * width + hidden
+    assert aligned["params"] == plain["params"] and aligned["align_params"] == hidden * width + width + width * hidden + hidden
     assert aligned["base"]["flops"] == plain["flops"]  # the unit's own unaligned base, the same step
     assert speedups(None, aligned)["ideal_speedup"] < 1 < speedups(None, cost["dit-random-self"])["ideal_speedup"] + 1
     set_step_budget(cells[2], 100, speedups(None, aligned)["measured_speedup"])
     assert 0 < cells[2].cfg.trainer.max_steps == round(100 * aligned["base"]["step_seconds"] / aligned["step_seconds"])
 
-    # configs/bench/fashion.yaml: the 21 pairs of the committed table plus 12 self cells (those measured committed too),
-    # and every committed unaligned cell file still matches its cell's settings (so the bench reuses it, not retrains).
+    # configs/bench/fashion.yaml: the 21 pairs of the committed table, the 12 self cells measured first (weight 2, REPA's
+    # projector: committed), the same 12 at SRA's settings (sra) and the weight sweep on dit-random (2 seeds each); every
+    # committed cell file still matches its cell's settings (so the bench reuses it, never retrains or overwrites it).
     committed = {p.name.rsplit("-s", 1)[0] for p in (CONFIGS.parent / "docs/bench/fashion/cells").glob("*.json")}
     keys = ["-".join(p if p[2] != "none" else p[:2]) for p in grid_pairs(fashion)]
-    new = [f"{b}-{r}-self" for b, rs in (("dit", "none random sprint"), ("rwkv", "none rows sprint"),
-                                         ("mamba", "none rows sprint"), ("diffmoe", "none random sprint")) for r in rs.split()]
-    unaligned = {k for k in committed if not k.endswith("-self")}  # the self cells measured so far are committed too
-    assert len(unaligned) == 21 and committed <= set(keys) and sorted(keys) == sorted([*unaligned, *new])
-    saved_cost = json.loads((CONFIGS.parent / "docs/bench/fashion/cost.json").read_text())
-    results = CONFIGS.parent / "docs/bench/fashion"
-    costs = cost_phase(fashion, [c for c in fashion_cells if c.seed == 0], results, tuple(saved_cost["settings"]["shape"]), 10)["cells"]
-    assert len(fashion_cells) == 63
+    twelve = [f"{b}-{r}" for b, rs in (("dit", "none random sprint"), ("rwkv", "none rows sprint"),
+                                       ("mamba", "none rows sprint"), ("diffmoe", "none random sprint")) for r in rs.split()]
+    sweep = ["dit-random-sra_w0.2", "dit-random-sra_w0.5", "dit-random-sra_w2"]
+    unaligned = {k for k in committed if not k.endswith("-self")}
+    assert len(unaligned) == 21 and committed == unaligned | {f"{k}-self" for k in twelve}
+    assert sorted(keys) == sorted([*unaligned, *(f"{k}-{a}" for a in ("self", "sra") for k in twelve), *sweep])
+    assert [c.name for c in every_cell if c.key in sweep] == [f"{k}-s{s}" for s in (0, 1) for k in sweep]
+    sra = next(c for c in every_cell if c.key == "dit-random-sra")
+    assert (sra.cfg.align.name, sra.cfg.align.weight, sra.cfg.align.head, sra.recipe) == ("self", 0.04, "sra", "random + self, SRA's (weight 0.04)")
+    assert next(c for c in every_cell if c.key == "dit-random-self").recipe == "random + self, weight 2 (not SRA's)"
+    assert len(fashion_cells) == 99 and {c.key for c in fashion_cells} <= set(costs)
     for cell in fashion_cells:
         set_step_budget(cell, fashion.train.steps[cell.backbone], speedups(costs[f"{cell.backbone}-none"], costs[cell.key])["measured_speedup"])
         saved = json.loads((results / "cells" / f"{cell.name}.json").read_text())["settings"]["train"]
@@ -413,3 +423,6 @@ def test_alignment_table_says_per_family_whether_alignment_adds_to_each_recipe()
     assert "| dit | none + self - none | -10.0 [-12.3, -7.7] wins |" in text
     assert "| dit | random + self - random | +1.0 [" in text and "] ties |" in text.split("random + self - random")[1].splitlines()[0]
     assert not recipes.markdown(rows[:2])  # without aligned rows (and without structured or SPRINT) no recipe tables
+    # A variant of an alignment is named by its label (grid.align_labels), e.g. the first self cells at weight 2.
+    rows[2] |= {"align_label": "self, weight 2 (not SRA's)"}
+    assert "| dit | none + self, weight 2 (not SRA's) - none | -10.0 [-12.3, -7.7] wins |" in "\n".join(recipes.markdown(rows))

@@ -24,7 +24,8 @@ class Cell:
     cfg: DictConfig
     ablation: bool  # an unstructured subset on a scan-order backbone (TREAD's 1-D ablation)
     plain: dict = field(default_factory=dict)  # the config `backbone=<family> routing=<r> data=<dataset>` composes to: the defaults of keys added later
-    align: str = "none"  # representation alignment (align=none|repa|self, docs/alignment.md)
+    align: str = "none"  # representation alignment: none, or an entry of grid.aligns (an align group or a variant of one)
+    align_label: str | None = None  # how the tables name the alignment (grid.align_labels; None: its name)
 
     @property
     def key(self) -> str:
@@ -33,7 +34,7 @@ class Cell:
     @property
     def recipe(self) -> str:
         """The routing, with the alignment beside it when there is one ("random + self"): the tables' and plots' label."""
-        return recipe_label(self.routing, self.align)
+        return recipe_label(self.routing, self.align_label or self.align)
 
     @property
     def name(self) -> str:
@@ -47,6 +48,20 @@ def cell_key(backbone: str, routing: str, align: str = "none") -> str:
 
 def recipe_label(routing: str, align: str = "none") -> str:
     return routing if align == "none" else f"{routing} + {align}"
+
+
+def align_group(bench: DictConfig, align: str) -> tuple[str, list[str]]:
+    """The config group of a grid.aligns entry and its extra overrides: `grid.align_overrides.<align>`, whose
+    `align=<group>` entry makes the name a variant of that group (e.g. sra_w0.2: [align=self, align.weight=0.2]); without
+    one the name is the group itself."""
+    extra = [str(o) for o in (bench.grid.get("align_overrides") or {}).get(align) or []]
+    groups = [o.split("=", 1)[1] for o in extra if o.startswith("align=")]
+    return (groups[-1] if groups else align), [o for o in extra if not o.startswith("align=")]
+
+
+def align_label(bench: DictConfig, align: str) -> str | None:
+    """How the tables name a grid.aligns entry (`grid.align_labels`), e.g. "self, weight 2 (not SRA's)"; None: its name."""
+    return (bench.grid.get("align_labels") or {}).get(align)
 
 
 def is_ablation(cfg: DictConfig) -> bool:
@@ -63,13 +78,14 @@ def compose_pair(bench: DictConfig, backbone: str, routing: str, align: str = "n
 
     `backbone` is a row name of the grid: a family (dit, rwkv, ...) or a variant whose `sizes.<name>` names its
     family, e.g. `tc: {family: diffmoe, kwargs: {moe_mode: token_choice}}` (the MoE table's baselines).
-    `align` other than none adds `align=<align>` and the bench's `grid.align_overrides.<align>` (e.g. a projector
-    width for the bench's small models); align=none composes exactly what it did before alignment existed.
+    `align` other than none adds `align=<group>` and the bench's `grid.align_overrides.<align>` (e.g. a projector
+    width for the bench's small models, or a variant's weight: align_group); align=none composes exactly what it did
+    before alignment existed.
     """
     size = OmegaConf.to_container(bench.sizes.get(backbone) or OmegaConf.create({}))
     family = size.pop("family", backbone)
-    groups = [f"backbone={family}", f"routing={routing}", f"data={bench.dataset}"] + ([f"align={align}"] if align != "none" else [])
-    extra = list((bench.grid.get("align_overrides") or {}).get(align) or []) if align != "none" else []
+    group, extra = align_group(bench, align) if align != "none" else ("none", [])
+    groups = [f"backbone={family}", f"routing={routing}", f"data={bench.dataset}"] + ([f"align={group}"] if align != "none" else [])
     try:
         cfg = compose(config_name="config", overrides=[*groups, *bench.overrides, *extra])
         plain = OmegaConf.to_container(compose(config_name="config", overrides=groups), resolve=True)
@@ -98,21 +114,42 @@ def compose_cell(bench: DictConfig, backbone: str, routing: str, seed: int, pair
                         "ckpt_every": bench.eval.get("every") or (10**9 if bench.eval.get("keep_final") else 0),
                         "keep_checkpoints": 10**9},
         })
-    return Cell(backbone, routing, seed, cfg, ablation, plain, align)
+    return Cell(backbone, routing, seed, cfg, ablation, plain, align, align_label(bench, align) if align != "none" else None)
+
+
+def aligned_pairs(bench: DictConfig, align: str) -> list[str] | None:
+    """The pairs `grid.aligned` gives an alignment: a list for every alignment, or a mapping alignment -> list (an
+    alignment it does not name: every pair); None: every pair."""
+    aligned = bench.grid.get("aligned")
+    if isinstance(aligned, DictConfig):
+        aligned = aligned.get(align)
+    return None if aligned is None else list(aligned)
+
+
+def align_seeds(bench: DictConfig, align: str) -> list[int]:
+    """The seeds an alignment trains: `grid.align_seeds.<align>` (e.g. a sweep on two seeds), else `seeds`."""
+    mine = (bench.grid.get("align_seeds") or {}).get(align)
+    if mine is None:
+        return list(bench.seeds)
+    stray = sorted(set(mine) - set(bench.seeds))
+    if stray:
+        raise ConfigError(f"grid.align_seeds.{align} holds seed {stray[0]}, which is not in seeds={list(bench.seeds)}; name seeds of the bench.")
+    return [s for s in bench.seeds if s in mine]
 
 
 def grid_pairs(bench: DictConfig) -> list[tuple[str, str, str]]:
     """(backbone, routing, align) of every pair of the grid: backbones x routings x `grid.aligns` (default [none]),
-    less `grid.skip`; an alignment other than none only on the pairs `grid.aligned` names (null: every pair)."""
-    skip, aligned = set(bench.grid.get("skip") or []), bench.grid.get("aligned")
+    less `grid.skip`; an alignment other than none only on the pairs `grid.aligned` names for it (aligned_pairs)."""
+    skip = set(bench.grid.get("skip") or [])
     aligns = list(bench.grid.get("aligns") or ["none"])
     pairs = {f"{b}-{r}" for b in bench.grid.backbones for r in bench.grid.routings if f"{b}-{r}" not in skip}
-    stray = sorted(set(aligned or []) - pairs)
+    named = {a: aligned_pairs(bench, a) for a in aligns if a != "none"}
+    stray = sorted({p for mine in named.values() for p in mine or []} - pairs)
     if stray:
         raise ConfigError(f"grid.aligned names {stray[0]!r}, which is not a pair of this grid (grid.backbones x grid.routings "
                           "less grid.skip); name <backbone>-<routing> pairs of the grid, or set grid.aligned=null for every pair.")
     return [(b, r, a) for a in aligns for b in bench.grid.backbones for r in bench.grid.routings
-            if f"{b}-{r}" not in skip and (a == "none" or aligned is None or f"{b}-{r}" in aligned)]
+            if f"{b}-{r}" not in skip and (a == "none" or named[a] is None or f"{b}-{r}" in named[a])]
 
 
 def grid_cells(bench: DictConfig) -> list[Cell]:
@@ -127,7 +164,18 @@ def grid_cells(bench: DictConfig) -> list[Cell]:
     # Hydra composes each pair once (about a second of CPU each), not once per seed: 21 pairs x 3 seeds start in a third.
     composed = {pair: compose_pair(bench, *pair) for pair in pairs}
     order = [p for p in pairs if cell_key(*p) not in last], [p for p in pairs if cell_key(*p) in last]
-    return [compose_cell(bench, b, r, s, composed[(b, r, a)], a) for group in order for s in bench.seeds for b, r, a in group]
+    seeds = {a: align_seeds(bench, a) for a in dict.fromkeys(a for _, _, a in pairs)}
+    return [compose_cell(bench, b, r, s, composed[(b, r, a)], a) for group in order for s in bench.seeds for b, r, a in group
+            if s in seeds[a]]
+
+
+def pair_cells(cells: list[Cell]) -> list[Cell]:
+    """The first cell of each pair, in the grid's order: the one its cost is measured with (an alignment trained on
+    some seeds only, grid.align_seeds, may lack the first seed)."""
+    first: dict[str, Cell] = {}
+    for cell in cells:
+        first.setdefault(cell.key, cell)
+    return list(first.values())
 
 
 def set_step_budget(cell: Cell, steps: int | None, speedup: float | None) -> None:

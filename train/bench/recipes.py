@@ -58,7 +58,7 @@ def alignment(rows: list[dict]) -> list[str]:
              "| family | comparison | " + " | ".join(label for _, label, _, _ in METRICS) + " |", "|---|---|" + "---|" * len(METRICS)]
     for a, b in compared:
         cells = [_diff_text(_values(a, key), _values(b, key), lower, fmt) for key, _, lower, fmt in METRICS]
-        lines.append(f"| {a['backbone']} | {a['routing']} + {a['align']} - {b['routing']} | {' | '.join(cells)} |")
+        lines.append(f"| {a['backbone']} | {a['routing']} + {a.get('align_label') or a['align']} - {b['routing']} | {' | '.join(cells)} |")
     return lines + per_seed(aligned)
 
 

@@ -43,7 +43,7 @@ def table_rows(pairs: list[Cell], costs: dict, runs: dict[str, list[dict]], base
         cost = costs[cell.key]
         quality = runs[cell.key]
         row = {
-            "backbone": cell.backbone, "routing": cell.routing, "align": cell.align,
+            "backbone": cell.backbone, "routing": cell.routing, "align": cell.align, "align_label": cell.align_label or cell.align,
             "kind": "ablation" if cell.ablation else ("sprint" if any(r.get("mode") == "sprint" for r in cell.cfg.routing.routes)
                                                       else "routed" if cell.cfg.routing.routes else "baseline"),
             "params": cost["params"], "activated_params": cost.get("activated_params", cost["params"]), "tokens": cost["tokens"],
@@ -119,7 +119,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"| {' | '.join(COLUMNS[k][0] for k in columns)} |", "|" + "---|" * len(columns)]
     # A stall costs a wall-clock budget steps, and a step budget only time.
     stalled = "train_steps" if m["train"].get("wall_clock") else "images_per_s"
-    lines += [f"| {' | '.join(_cell_text(r, k, stalled) for k in columns)} |" for r in rows]
+    lines += [f"| {' | '.join(_cell_text(r | {'align': r.get('align_label') or r.get('align')}, k, stalled) for k in columns)} |" for r in rows]
     t, q, e, c = m["timing"], m["train"], m["eval"], m["classifier"]
     notes = [
         "",
@@ -198,7 +198,7 @@ def comparison(rows: list[dict], prefix: str, title: str, baseline: bool = False
             fmt = "{:+.2f}" if "fd" in k else ("{:+.1%}" if "accuracy" in k else "{:+.4f}")
             cells.append(f"{fmt.format(r[f'{k}{prefix}diff'])} [{fmt.format(r[f'{k}{prefix}diff_low'])}, "
                          f"{fmt.format(r[f'{k}{prefix}diff_high'])}] {r[f'{k}{prefix}verdict']}")
-        recipe = recipe_label(r["routing"], r.get("align", "none"))
+        recipe = recipe_label(r["routing"], r.get("align_label") or r.get("align", "none"))
         lines.append(f"| {r['backbone']} | {r['baseline'] + ' | ' if baseline else ''}{recipe} | " + " | ".join(cells) + " |")
     return lines
 

@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 
 from routing import ConfigError
 from train.bench.claims import claim, waiting_claim
-from train.bench.cells import grid_cells, recipe_label, set_step_budget
+from train.bench.cells import grid_cells, pair_cells, recipe_label, set_step_budget
 from train.bench.cost import cost_phase, speedups
 from train.bench.plots import plot_bars, plot_loss_curves, plot_quality_curves
 from train.bench.quality import Evaluation, held_out_split, train_and_score, warm_up
@@ -179,7 +179,7 @@ def run(bench: DictConfig, record: HydraRecord | None = None) -> list[dict]:
         raise ConfigError(f"seeds={seeds} holds {bad[0]!r}; seeds are non-negative integers (e.g. seeds=[0,1,2]).")
     speedups_source(bench)
     cells = grid_cells(bench)
-    pairs = [c for c in cells if c.seed == seeds[0]]
+    pairs = pair_cells(cells)
     if not cells:
         raise ConfigError("grid.skip removes every pair of the grid; keep at least one backbone-routing pair.")
     refuse_missing_costs(bench, pairs)
@@ -291,7 +291,7 @@ def run(bench: DictConfig, record: HydraRecord | None = None) -> list[dict]:
     if any(q.get("quality_curve", {}).get("step") for qs in runs.values() for q in qs):
         plot_quality_curves({(c.backbone, c.recipe): [q.get("quality_curve") for q in runs[c.key]] for c in pairs},
                             out / "quality_vs_steps.png")
-    plot_bars([r | {"routing": recipe_label(r["routing"], r.get("align", "none"))} for r in rows], out / "bars.png", {"efficiency": "efficiency (measured / FLOP-ideal)", "ema_loss": "EMA loss (lower is better)",
+    plot_bars([r | {"routing": recipe_label(r["routing"], r.get("align_label") or r.get("align", "none"))} for r in rows], out / "bars.png", {"efficiency": "efficiency (measured / FLOP-ideal)", "ema_loss": "EMA loss (lower is better)",
                                        "classifier_fd": "classifier-FD (lower is better)", "class_accuracy": "class accuracy",
                                        **({"at_step_classifier_fd": "classifier-FD at the matched step"}
                                           if any("at_step_classifier_fd" in r for r in rows) else {})})

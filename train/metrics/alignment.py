@@ -31,7 +31,8 @@ def build_alignment(cfg: DictConfig, backbone: nn.Module, device: torch.device |
     a = cfg.align
     targets, source = (_repa_targets(a, backbone, device, encoder_dtype, dataset) if name == "repa" else (None, None))
     alignment = Alignment(backbone, name, a.layer, weight=a.weight, width=a.projector_width, target_dim=targets.dim if targets else None,
-                          loss=a.get("loss"), teacher_layer=a.teacher_layer, teacher=a.teacher, teacher_gap=a.teacher_gap, targets=targets)
+                          loss=a.get("loss"), teacher_layer=a.teacher_layer, teacher=a.teacher, teacher_gap=a.teacher_gap, targets=targets,
+                          head=a.get("head"))
     alignment.source = source  # what the trainer hands over as `clean`: None (the batch is pixels), "images" or "features"
     return alignment.to(device)
 
