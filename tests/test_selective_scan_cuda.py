@@ -1,0 +1,162 @@
+"""The CUDA selective scan (backbones/ops/selective_scan_cuda.*).
+
+On the CPU: its algorithm, written in torch (selective_scan_lanes.py), against the definition at odd shapes, forward
+and every gradient; and (-m slow) its source compiled for sm_90 by nvcc with no error and no register spill.
+On a GPU (-m gpu): the compiled kernels against the Triton and PyTorch scans, forward and every gradient."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sysconfig
+
+import pytest
+import torch
+
+from backbones.ops import selective_scan_cuda as ssc
+from backbones.ops.selective_scan import selective_scan, selective_scan_ref
+from backbones.ops.selective_scan_lanes import lane_scan_backward, lane_scan_forward
+
+NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
+
+
+def _inputs(b=2, d=6, length=17, n=4, groups=None, dtype=torch.float64, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape_bc = (b, groups, n, length) if groups else (b, n, length)
+    t = dict(
+        u=torch.randn(b, d, length, generator=g),
+        delta=torch.randn(b, d, length, generator=g) * 0.5 - 1,
+        A=-torch.rand(d, n, generator=g) * 4 - 0.5,
+        B=torch.randn(*shape_bc, generator=g),
+        C=torch.randn(*shape_bc, generator=g),
+        D=torch.randn(d, generator=g),
+        z=torch.randn(b, d, length, generator=g),
+        delta_bias=torch.randn(d, generator=g) * 0.3,
+    )
+    fp32 = ("A", "D", "delta_bias")
+    return {k: v.to(device=device, dtype=torch.float32 if k in fp32 and dtype != torch.float64 else dtype)
+            for k, v in t.items()}
+
+
+def _definition(inputs, dout, softplus):
+    leaves = {k: v.detach().requires_grad_() for k, v in inputs.items() if v is not None}
+    out = selective_scan_ref(**leaves, delta_softplus=softplus)
+    grads = torch.autograd.grad(out, list(leaves.values()), dout)
+    return out, dict(zip(leaves, grads))
+
+
+# (lanes, steps): the kernel's 32 x 8, and 4 x 2 so that 17 and 300 steps cross many chunks.
+@pytest.mark.parametrize("lanes,steps", [(32, 8), (4, 2)])
+@pytest.mark.parametrize("length", [1, 17, 300])
+@pytest.mark.parametrize("groups", [None, 2])
+def test_lane_algorithm_matches_definition(lanes, steps, length, groups):
+    inputs = _inputs(length=length, groups=groups)
+    dout = torch.randn(2, 6, length, dtype=torch.float64)
+    want, want_grads = _definition(inputs, dout, softplus=True)
+    out, states = lane_scan_forward(**inputs, delta_softplus=True, lanes=lanes, steps=steps)
+    torch.testing.assert_close(out, want)
+    assert states.shape == (2, 6, -(-length // (lanes * steps)) - 1, 4)
+    grads = lane_scan_backward(dout, *inputs.values(), True, states, lanes=lanes, steps=steps)
+    for name, got in zip(NAMES, grads):
+        torch.testing.assert_close(got, want_grads[name], msg=lambda m, name=name: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("drop", [("D", "z", "delta_bias"), ("z",), ("D",)])
+def test_lane_algorithm_optional_arguments(drop):
+    inputs = _inputs(length=40) | {k: None for k in drop}
+    dout = torch.randn(2, 6, 40, dtype=torch.float64)
+    want, want_grads = _definition(inputs, dout, softplus=False)
+    out, states = lane_scan_forward(**inputs, lanes=4, steps=4)
+    torch.testing.assert_close(out, want)
+    grads = lane_scan_backward(dout, *inputs.values(), False, states, lanes=4, steps=4)
+    for name, got in zip(NAMES, grads):
+        assert (got is None) == (name in drop), name
+        if got is not None:
+            torch.testing.assert_close(got, want_grads[name], msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def test_lane_algorithm_decay_gradient_without_cancellation():
+    """A decay of ~exp(-1e4 * 0.1) = 0: dh a h_{t-1} is exactly zero where h_t - x_t would leave rounding."""
+    inputs = _inputs(length=33, dtype=torch.float32) | dict(D=None, z=None, delta_bias=None)
+    inputs["A"] = torch.full((6, 4), -1e4)
+    inputs["delta"] = torch.full((2, 6, 33), 0.1)
+    dout = torch.randn(2, 6, 33)
+    _, states = lane_scan_forward(**inputs, lanes=4, steps=2)
+    grads = lane_scan_backward(dout, *inputs.values(), False, states, lanes=4, steps=2)
+    want = _definition({k: v.double() if v is not None else None for k, v in inputs.items()}, dout.double(), False)[1]
+    torch.testing.assert_close(grads[1].double(), want["delta"], atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(grads[2].double(), want["A"], atol=1e-6, rtol=1e-4)
+
+
+def test_states_shape_counts_256_step_chunks():
+    assert ssc.states_shape(2, 6, 1, 16) == (2, 6, 0, 16)
+    assert ssc.states_shape(2, 6, 256, 16) == (2, 6, 0, 16)
+    assert ssc.states_shape(2, 6, 300, 16) == (2, 6, 1, 16)
+
+
+def test_refuses_cpu_tensors_in_one_sentence():
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        ssc.selective_scan_cuda(**_inputs(dtype=torch.float32))
+
+
+def _nvcc() -> str:
+    nvcc = shutil.which("nvcc") or shutil.which("/usr/local/cuda/bin/nvcc")
+    assert nvcc, "nvcc is not on PATH: the compile check needs the CUDA toolkit (e.g. /usr/local/bin/nvcc)"
+    return nvcc
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_without_spills(tmp_path):
+    """ptxas for sm_90 on the kernels: no error, no spill, the barrier count the design has (backward's one)."""
+    result = subprocess.run([_nvcc(), "-arch=sm_90", "-cubin", "-O3", "--resource-usage", "-o", str(tmp_path / "k.cubin"),
+                             str(ssc.SOURCE)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    usage = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores.*?Used (\d+) registers, "
+                       r"used (\d+) barriers", result.stdout + result.stderr, re.S)
+    assert len(usage) == 6, result.stderr  # forward and backward for fp32, bf16, fp16
+    for name, spills, _registers, barriers in usage:
+        assert spills == "0", f"{name} spills"
+        assert barriers == ("1" if "bwd" in name else "0"), name
+
+
+@pytest.mark.slow
+def test_extension_source_compiles_for_sm90(tmp_path):
+    """The whole unit load_inline builds on a GPU (kernels + launchers against torch's headers), compiled to an
+    object here with torch's own nvcc flags, so a typo in the launchers fails on the CPU, not on the first GPU run."""
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
+
+    source = tmp_path / "scan.cu"
+    source.write_text(ssc.cuda_source())
+    includes = [f"-I{p}" for p in include_paths(device_type="cuda") + [sysconfig.get_paths()["include"]]]
+    result = subprocess.run([_nvcc(), "-c", "-std=c++20", "-arch=sm_90", "-O3", *COMMON_NVCC_FLAGS, *includes,
+                             "-DTORCH_EXTENSION_NAME=tread_selective_scan_cuda", "-o", str(tmp_path / "scan.o"),
+                             str(source)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("length,groups,d", [(1, None, 6), (17, 2, 6), (300, None, 8), (256, None, 64), (600, 2, 70)])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_cuda_kernels_match_reference(dtype, tol, length, groups, d, backend):
+    from backbones.ops.cuda_kernels import scan_implementation
+
+    inputs = {k: v.requires_grad_() for k, v in _inputs(d=d, length=length, n=16, groups=groups, dtype=dtype,
+                                                          device="cuda").items()}
+    out = ssc.selective_scan_cuda(**inputs, delta_softplus=True)
+    want = scan_implementation(backend)(**inputs, delta_softplus=True)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, list(inputs.values()), dout)
+    want_grads = torch.autograd.grad(want, list(inputs.values()), dout)
+    for name, got, ref in zip(NAMES, grads, want_grads):
+        assert got.dtype == ref.dtype, name
+        scale = ref.float().abs().max().clamp(min=1)  # sums over the batch and channels grow with them
+        torch.testing.assert_close(got.float() / scale, ref.float() / scale, atol=tol, rtol=tol,
+                                   msg=lambda m, name=name: f"d{name}: {m}")
