@@ -37,6 +37,8 @@ RUN = [*FAST, *TINY, "run_dir={box}/run", "resume=auto"]  # continue the sandbox
 FRESH = [*FAST, *TINY, "run_dir={box}/new"]
 LATENTS = [*FAST, *TINY, "data=latents", "data.path={box}/lat", "run_dir={box}/new"]
 CKPT = "run/checkpoints/step_0000002"
+# REPA with a ViT whose 16-pixel patches at 128 pixels form the digits' 8x8 token grid.
+REPA = ["align=repa", "align.encoder=vit_tiny_patch16_224", "align.input_size=128"]
 
 
 # The sandbox.
@@ -85,7 +87,11 @@ def shared(tmp_path_factory) -> dict[str, Path]:
     np.savez(root / "ref.npz", mu=np.zeros(2048, np.float32), sigma=np.eye(2048, dtype=np.float32))
     flux = write_pretrained("flux", root / "flux")
     sd3 = write_table(random_table("sd3", [f"digit {d}" for d in range(10)], TABLE_SIZES["sd3"]), root / "sd3.safetensors")
-    return {"ref": root / "ref.npz", "flux": flux, "sd3": sd3}
+    # Another model's weights for REPA's ViT encoder: a ResNet-18's (timm would load the ViT's keys it finds, none).
+    import timm
+
+    save_file(timm.create_model("resnet18", pretrained=False, num_classes=0).state_dict(), root / "resnet18.safetensors")
+    return {"ref": root / "ref.npz", "flux": flux, "sd3": sd3, "resnet18": root / "resnet18.safetensors"}
 
 
 # Damage.
@@ -122,6 +128,16 @@ def flip_last_bytes(path: str):
         raw = bytearray((box / path).read_bytes())
         raw[-8:] = b"\xff" * 8
         (box / path).write_bytes(bytes(raw))
+    return prepare
+
+
+def cut_in_half(path: str, kind: str = "safetensors"):
+    """A small weights file (safetensors, or torch.save's zip) at `path` in the sandbox, cut in half as a copy that stopped."""
+    def prepare(box: Path, _):
+        target = box / path
+        tensors = {"w": torch.arange(256.0).reshape(16, 16), "b": torch.zeros(16)}
+        save_file(tensors, target) if kind == "safetensors" else torch.save(tensors, target)
+        target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
     return prepare
 
 
@@ -249,6 +265,17 @@ CASES = [
     T("patch_size_3", ["backbone.patch_size=3"], names="backbone.patch_size"),
     T("fashion_missing", ["data=fashion_mnist", "data.path={box}/nowhere"], names="nowhere", base=FRESH, slow=True),
     T("latents_missing", ["data.path={box}/nowhere"], names="data.path", base=LATENTS),
+    # REPA's encoder weights (align.weights): damaged, or another model's.
+    T("repa_weights_random_bytes", [*REPA, "align.weights={box}/junk.bin"], names="junk.bin' is neither a safetensors nor a PyTorch",
+      base=FRESH),
+    T("repa_weights_empty", [*REPA, "align.weights={box}/enc.safetensors"], put("enc.safetensors", b""),
+      names="enc.safetensors' is empty", base=FRESH),
+    T("repa_weights_truncated", [*REPA, "align.weights={box}/enc.safetensors"], cut_in_half("enc.safetensors"),
+      names="enc.safetensors' is cut short", base=FRESH),
+    T("repa_weights_truncated_pth", [*REPA, "align.weights={box}/enc.pth"], cut_in_half("enc.pth", "torch"),
+      names="enc.pth' is not a readable PyTorch weights file", base=FRESH, slow=True),
+    T("repa_weights_of_resnet18", [*REPA, "align.weights={resnet18}"], names="does not hold vit_tiny_patch16_224's weights (it lacks",
+      base=FRESH),
     # The run folder.
     T("run_dir_empty", ["run_dir="], names="run_dir", hydra=True),
     T("run_dir_is_a_file", ["run_dir={box}/junk.bin"], names="run_dir"),

@@ -9,7 +9,9 @@ and the fix (a ConfigError: exit code 2, no traceback), and returns typed values
     fid_reference.py  an FID reference .npz (mu, sigma): size and finiteness, before any sample is drawn
     inception.py      the Inception weights file
     prompt_table.py   a prompt table's safetensors header
-    typed.py          text, JSON and typed fields (OmegaConf structured configs)
+    weights.py        a network's weights file (.safetensors or torch.save), e.g. REPA's encoder (align.weights)
+    typed.py          text, JSON, safetensors and typed fields (OmegaConf structured configs); the readers of text,
+                      JSON and tensors are backbones/files.py's, which the model packages use too
     atomic.py         write_atomic: a temporary file renamed over the target, so no write is ever half done
 
 This package imports nothing else from train (the import contracts in pyproject.toml).
@@ -22,8 +24,9 @@ from train.files.latents import LatentsMeta, LatentStats, read_meta, read_stats
 from train.files.metrics_log import read_metrics
 from train.files.prompt_table import TableHeader, read_header
 from train.files.run_state import CheckpointState, read_checkpoint_config, read_latest, read_state
-from train.files.typed import damaged, read_json, read_text, typed
+from train.files.typed import damaged, read_json, read_tensors, read_text, typed
+from train.files.weights import read_weights
 
 __all__ = ["CheckpointState", "as_os_error", "LatentStats", "LatentsMeta", "TableHeader", "check_weights", "damaged", "read_checkpoint_config",
            "read_header", "read_json", "read_latest", "read_meta", "read_metrics", "read_reference", "read_state", "read_stats",
-           "read_text", "typed", "write_atomic"]
+           "read_tensors", "read_text", "read_weights", "typed", "write_atomic"]

@@ -8,50 +8,18 @@ field's name. Fields the dataclass does not declare are ignored, so a file writt
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import typing
-from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from routing.errors import ConfigError
+# The one sentence of a refused file, and reading text and JSON, are the model packages' too (backbones/files.py).
+from backbones.files import damaged, read_json, read_tensors, read_text
 
-__all__ = ["MISSING", "damaged", "finite", "read_json", "read_text", "typed"]
-
-
-def damaged(path: str | os.PathLike, problem: str, fix: str) -> ConfigError:
-    """'<path>' <problem>; <fix>. — the one sentence every loader of this package refuses with."""
-    return ConfigError(f"'{path}' {problem}; {fix}.")
-
-
-def read_text(path: str | os.PathLike, fix: str) -> str:
-    """The UTF-8 text of `path`; a missing, unreadable or binary file is refused."""
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise damaged(path, "does not exist", fix) from None
-    except IsADirectoryError:
-        raise damaged(path, "is a folder, not a file", fix) from None
-    except PermissionError:
-        raise damaged(path, "cannot be read (permission denied)", fix) from None
-    except UnicodeDecodeError:
-        raise damaged(path, "is not a text file", fix) from None
-    except OSError as err:
-        raise damaged(path, f"cannot be read ({err.strerror or type(err).__name__})", fix) from None
-
-
-def read_json(path: str | os.PathLike, fix: str) -> Any:
-    """The JSON value in `path`; a truncated or hand-broken file is refused with where it stops parsing."""
-    text = read_text(path, fix)
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        where = "is empty" if not text.strip() else f"is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})"
-        raise damaged(path, where, fix) from None
+__all__ = ["MISSING", "damaged", "finite", "read_json", "read_tensors", "read_text", "typed"]
 
 
 _KIND = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list", dict: "an object"}

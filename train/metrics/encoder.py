@@ -13,14 +13,17 @@ cover a whole number of times per side (else the config is refused, naming an in
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import timm
 import torch
 import torch.nn.functional as F
 from timm.data import resolve_model_data_config
+from timm.models import get_pretrained_cfg
 
 from routing.errors import ConfigError
+from train.files import damaged, read_json, read_weights
 
 
 class FrozenEncoder:
@@ -46,7 +49,8 @@ class FrozenEncoder:
     @classmethod
     def load(cls, name: str, weights: str, input_size: int, token_grid: tuple[int, int] | None, device: torch.device | str = "cpu",
              dtype: torch.dtype = torch.bfloat16) -> FrozenEncoder:
-        """The encoder `name` with the local `weights` (a file, or a timm folder), refusing what cannot be used."""
+        """The encoder `name` with the local `weights` (a file, or a timm folder), refusing what cannot be used: a
+        damaged, empty or truncated file, and weights whose keys and shapes are not exactly those of the encoder."""
         path = Path(str(weights)).expanduser()
         if not path.exists():
             raise ConfigError(f"align.weights={str(weights)!r} does not exist; put {name}'s weights there (a .safetensors or .pth state "
@@ -54,18 +58,33 @@ class FrozenEncoder:
         if path.is_dir() and not (path / "config.json").is_file():
             raise ConfigError(f"align.weights={str(weights)!r} is a folder without config.json; give a timm folder (config.json + "
                               "model.safetensors, as timm's save_pretrained writes) or the weights file itself.")
-        source = f"local-dir:{path}" if path.is_dir() else name
-        # A file replaces the registry's weights location (timm then reads only that file: no hub, no url).
-        overlay = None if path.is_dir() else {"file": str(path), "source": "file", "hf_hub_id": None, "url": None}
+        folder = path.is_dir()
+        source = f"local-dir:{path}" if folder else name
+        fix = (f"align.weights takes {'this folder' if folder else name}'s weights: save them again (a .safetensors or .pth state dict "
+               "of the encoder, or a timm folder with config.json and model.safetensors)")
+        pretrained = (read_json(path / "config.json", fix).get("pretrained_cfg") or {}) if folder else (get_pretrained_cfg(name) or {})
+        if not isinstance(pretrained, dict):
+            pretrained = pretrained.to_dict()
+        file = path / "model.safetensors" if folder and (path / "model.safetensors").is_file() else path / "pytorch_model.bin" if folder else path
+        tensors = read_weights(file, fix)
+        # timm drops the classifier when num_classes changes, and then loads the rest without checking that every
+        # key fits; dropped here instead, timm loads strictly (after its own conversions, e.g. the position table
+        # resampled to input_size), so another model's weights are refused.
+        heads = pretrained.get("classifier") or ()
+        heads = (heads,) if isinstance(heads, str) else tuple(heads)
+        tensors = {k: v for k, v in tensors.items() if not k.startswith(tuple(f"{h}." for h in heads))}
+        overlay = {"state_dict": tensors, "file": None, "source": "", "hf_hub_id": None, "url": None, "num_classes": 0}
         try:
-            model = timm.create_model(source, pretrained=True, pretrained_cfg_overlay=overlay, num_classes=0, img_size=input_size)
-        except TypeError:  # an encoder without an image-size argument (a convolutional one)
-            model = timm.create_model(source, pretrained=True, pretrained_cfg_overlay=overlay, num_classes=0)
+            try:
+                model = timm.create_model(source, pretrained=True, pretrained_cfg_overlay=overlay, num_classes=0, img_size=input_size)
+            except TypeError:  # an encoder without an image-size argument (a convolutional one)
+                model = timm.create_model(source, pretrained=True, pretrained_cfg_overlay=overlay, num_classes=0)
         except RuntimeError as err:
-            what = f"align.encoder={name!r} is not a timm model name" if "Unknown model" in str(err) else \
-                f"align.weights={str(weights)!r} does not hold {name}'s weights ({str(err).splitlines()[0].rstrip('.:')})"
-            raise ConfigError(f"{what}; give a timm name and a weights file of that model (python -c 'import timm; "
-                              "print(timm.list_models(\"*dinov2*\"))' lists names).") from None
+            if "Unknown model" in str(err):
+                raise ConfigError(f"align.encoder={name!r} is not a timm model name; give a timm name and a weights file of that model "
+                                  "(python -c 'import timm; print(timm.list_models(\"*dinov2*\"))' lists names).") from None
+            raise damaged(file, f"does not hold {name}'s weights ({_load_fault(err)})", f"point align.weights at {name}'s weights, "
+                          "or set align.encoder to the model these belong to") from None
         return cls(model.to(device), input_size, token_grid, dtype)
 
     def _probe(self) -> tuple[int, tuple[int, int]]:
@@ -122,6 +141,21 @@ class CachedFeatures:
 
     def __call__(self, features: torch.Tensor) -> torch.Tensor:
         return pool_tokens(features.float(), self.grid, self.token_grid)
+
+
+def _load_fault(err: RuntimeError) -> str:
+    """What load_state_dict found wrong, short: the tensors missing, those with no place, the first size mismatch."""
+    said = []
+    for line in (line.strip() for line in str(err).splitlines()[1:]):
+        names = re.findall(r'"([^"]+)"', line)
+        if line.startswith("Missing key(s)") and names:
+            said.append(f"it lacks {len(names)} of the encoder's tensors, e.g. {names[0]!r}")
+        elif line.startswith("Unexpected key(s)") and names:
+            said.append(f"holds {len(names)} it has no place for, e.g. {names[0]!r}")
+        elif (size := re.match(r"size mismatch for (\S+): copying a param with shape torch.Size\((\[.*?\])\) from checkpoint, the "
+                                r"shape in current model is torch.Size\((\[.*?\])\)", line)) and not any("is shaped" in s for s in said):
+            said.append(f"its {size[1]} is shaped {size[2]}, not {size[3]}")
+    return "; ".join(said) or str(err).strip().splitlines()[0].rstrip(".:")
 
 
 def pool_tokens(features: torch.Tensor, grid: tuple[int, int], token_grid: tuple[int, int]) -> torch.Tensor:
