@@ -4,12 +4,13 @@ and a bad argument gets one sentence. The dry run runs the kernels through Trito
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 import pytest
 import torch
 
-from train.bench import gpu, gpu_checks, gpu_report, gpu_speed
+from train.bench import gpu, gpu_checks, gpu_profile, gpu_report, gpu_speed, spread
 from train.bench.gpu_budget import PROGRESS, Section, run_sections
 
 
@@ -17,7 +18,9 @@ def test_dry_run_writes_every_section(tmp_path, capsys):
     report = gpu.main(["--dry-run", "--out", str(tmp_path / "out")])
     saved = json.loads((tmp_path / "out" / "report.json").read_text())
     md = (tmp_path / "out" / "report.md").read_text()
-    assert [s["name"] for s in saved["sections"]] == list(gpu.SECTION_NAMES)
+    # The default set: every section but the opt-in ones, which the report names.
+    assert [s["name"] for s in saved["sections"]] == [n for n in gpu.SECTION_NAMES if n not in gpu.OPT_IN]
+    assert {x["name"] for x in saved["not_run"]} == set(gpu.OPT_IN) and "Not in this run (name them with --sections): " in md
     for section in saved["sections"]:
         # A dry run has time for everything, and every section's code runs without an error.
         assert section["status"] in ("passed", "measured"), (section["name"], section["note"])
@@ -34,7 +37,7 @@ def test_dry_run_writes_every_section(tmp_path, capsys):
     assert families == {(f, p) for f in ("dit", "rwkv", "mamba", "diffmoe") for p in ("fp32", "bf16")}
     # Every kernel row names the config each autotuned kernel it ran picked (the interpreter has one config each).
     tuned = {r["kernel"]: r["tuned"] for s in saved["sections"] if s["name"] == "kernel-speed" for r in s["records"]}
-    assert set(tuned["selective scan"]) == {"fwd_kernel", "bwd_kernel"} and len(tuned["Bi-WKV"]) == 4
+    assert set(tuned["selective scan"]) == {"fwd_kernel", "bwd_kernel"} and len(tuned["Bi-WKV"]) >= 2
     assert set(tuned["selective scan, 64-step chunks"]) == {"fwd_kernel", "bwd_kernel"}  # TREAD_SCAN_CHUNK=64 beside it
     assert all(t["picked"].startswith("BLOCK_") and t["ms"] == {} for k in tuned.values() for t in k.values())
     assert "fwd_kernel: BLOCK_D=" in md
@@ -44,8 +47,14 @@ def test_dry_run_writes_every_section(tmp_path, capsys):
     assert "Launches of one selective scan bf16 forward+backward" in md
     trainer = next(s for s in saved["sections"] if s["name"] == "trainer")["records"][0]
     assert trainer["trainer_images_per_s"] > 0 and trainer["ratio"] > 0
-    # Tiny shapes on a CPU decide no goal, but every goal is listed.
-    assert len(saved["goals"]) == 11 and all(g["met"] is None for g in saved["goals"])
+    # Every speed row ran ROUNDS rounds and keeps them; the trainer's rounds are the spans between its logged steps.
+    speed = [r for s in saved["sections"] if s["kind"] in ("steps", "kernel_speed") for r in s["records"]]
+    assert speed and all(len(x) == 3 for r in speed for x in r["rounds"].values())
+    assert all(r["first_s"] > 0 for r in speed) and trainer["first_s"] > 0
+    assert len(trainer["rounds"]["trainer_images_per_s"]) == 3 and trainer["spreads"]["ratio"]["n"] == 3
+    assert saved["rounds"] == 3 and "3 rounds per speed row" in md and "| goal | median | range | verdict | note |" in md
+    # Tiny shapes on a CPU decide no goal, but every goal is listed (the side-by-side's too, without --tread).
+    assert len(saved["goals"]) == 14 and all(g["met"] is None and g["verdict"] == "not measured" for g in saved["goals"])
     assert report["sections"][0]["records"][0]["passed"]
     out = capsys.readouterr().out
     assert "[" in out and "kernels:" in out and "wrote" in out  # progress lines
@@ -277,18 +286,124 @@ def test_the_bare_step_the_trainer_measured_is_the_dit_b_tread_row():
     that row and decides that row's goal with it (the H100 run of 48e6353 printed it but left the goal 'not measured')."""
     bare = {"backbone": "dit", "preset": "B", "tokens": 256, "channels": 3, "policy": "random", "route": "r2->8 x0.5",
             "batch": 128, "compile": "model", "cuda_graphs": False, "ms_unrouted": 53.4, "ms_routed": 39.5, "ideal": 1.43,
-            "measured": 1.35, "efficiency": 0.95, "mfu_unrouted": 0.337, "mfu_routed": 0.319, "compile_s": 68.0, "graphs": 2}
+            "measured": 1.35, "efficiency": 0.95, "mfu_unrouted": 0.337, "mfu_routed": 0.319, "compile_s": 68.0, "graphs": 2,
+            "rounds": {"efficiency": [0.94, 0.95, 0.96]}}
     row = {"section": "trainer", "command": "python -m train ...", "trainer_images_per_s": 3243.0, "bare_images_per_s": 3237.0,
            "ratio": 1.0, "bare_step": {"section": "dit-B-tread", **bare}}
     sections = [{"name": "trainer", "title": "python -m train against the bare step", "kind": "trainer", "status": "measured",
                  "seconds": 148.0, "note": "bare step measured here", "records": [row]}]
     decided = {g["goal"]: g for g in gpu_report.goals(sections, dry_run=False)}
-    assert decided["DiT-B/2 TREAD: routed efficiency >= 0.9"] == {"goal": "DiT-B/2 TREAD: routed efficiency >= 0.9",
-                                                                  "measured": "0.95", "met": True}
-    assert decided["DiT-XL/2 TREAD: routed efficiency >= 0.9"]["met"] is None
+    b_tread = decided["DiT-B/2 TREAD: routed efficiency >= 0.9"]
+    assert (b_tread["measured"], b_tread["range"], b_tread["verdict"], b_tread["met"]) == ("0.95", "0.94-0.96", "met", True)
+    assert decided["DiT-XL/2 TREAD: routed efficiency >= 0.9"]["verdict"] == "not measured"
     report = {"environment": {"device": "H100", "torch": "2.11", "cuda": "13.0", "triton": "3.6", "python": "3.12", "commit": "x"},
               "sections": sections, "goals": list(decided.values()), "dry_run": False, "command": "python -m train.bench.gpu",
               "date": "today", "bf16": True, "compile": "model", "cuda_graphs": False, "budget_s": 200.0, "seconds": 148.0}
     md = gpu_report.markdown(report)
     assert "## Training steps (train.bench.routing)" in md and "| dit-B-tread | dit-B/2 (256 tokens, 3 ch) | random r2->8 x0.5 |" in md
     assert "| `python -m train ...` | 3243 | 3237 | 1.00 |" in md
+
+
+def _goal(report_goals: list[dict], start: str) -> dict:
+    (g,) = [g for g in report_goals if g["goal"].startswith(start)]
+    return g
+
+
+def _xl_row(efficiency: list[float], mfu_routed: list[float]) -> dict:
+    """A fake DiT-XL/2 TREAD row: its rounds as train.bench.routing keeps them."""
+    ms = [125.0, 126.0, 124.0]
+    return {"section": "dit-XL-tread", "backbone": "dit", "preset": "XL", "tokens": 256, "channels": 4, "policy": "random",
+            "route": "r2->24 x0.5", "batch": 64, "compile": "model", "cuda_graphs": False, "ms_unrouted": 125.0,
+            "ms_routed": 80.0, "ideal": 1.72, "measured": 1.56, "efficiency": statistics.median(efficiency),
+            "mfu_unrouted": 0.37, "mfu_routed": statistics.median(mfu_routed), "compile_s": 158.0, "first_s": 158.0, "graphs": 2,
+            "rounds": {"ms_unrouted": ms, "ms_routed": [80.0, 79.0, 81.0], "efficiency": efficiency,
+                       "mfu_unrouted": [0.36, 0.37, 0.38], "mfu_routed": mfu_routed}}
+
+
+def _report(rows: list[dict]) -> dict:
+    sections = [{"name": r["section"], "title": r["section"], "kind": "steps", "status": "measured", "seconds": 1.0, "note": "",
+                 "records": [r]} for r in rows]
+    return {"environment": {"device": "H100", "torch": "2.11", "cuda": "13.0", "triton": "3.6", "python": "3.12", "commit": "x"},
+            "sections": sections, "goals": gpu_report.goals(sections, dry_run=False), "dry_run": False,
+            "command": "python -m train.bench.gpu", "date": "today", "bf16": True, "compile": "model", "cuda_graphs": False,
+            "budget_s": 480.0, "seconds": 1.0, "rounds": 3}
+
+
+def test_a_range_that_straddles_a_goal_is_undecided():
+    """The verdict rule on a fake timing table: DiT-XL/2's efficiency rounds 0.88, 0.91, 0.93 straddle the 0.9 goal,
+    its routed MFU 30-31% misses 40% in every round, its unrouted MFU meets nothing, its compile (158 s) misses."""
+    report = _report([_xl_row([0.88, 0.91, 0.93], [0.30, 0.31, 0.305])])
+    efficiency = _goal(report["goals"], "DiT-XL/2 TREAD: routed efficiency")
+    assert (efficiency["verdict"], efficiency["met"], efficiency["measured"], efficiency["range"]) == ("undecided", None, "0.91", "0.88-0.93")
+    assert _goal(report["goals"], "DiT-XL/2 TREAD, batch 64: routed MFU")["verdict"] == "missed"
+    assert _goal(report["goals"], "DiT-XL/2 TREAD: whole-model compile")["verdict"] == "missed"
+    assert _goal(report["goals"], "DiT-XL/2 SPRINT")["verdict"] == "not measured"
+    md = gpu_report.markdown(report)
+    assert "| DiT-XL/2 TREAD: routed efficiency >= 0.9 | 0.91 | 0.88-0.93 (3 rounds) | *undecided* |  |" in md
+    assert "| DiT-XL/2 TREAD, batch 64: routed MFU >= 40% | 30.5% | 30.0%-31.0% (3 rounds) | **missed** |" in md
+    # The steps table shows each cell's median and range.
+    assert "| 125.0 (124.0-126.0) | 80.0 (79.0-81.0) |" in md and "| 0.91 (0.88-0.93) |" in md
+    # The whole range above the goal: met; fewer rounds than three: undecided whatever they read.
+    met = _report([_xl_row([0.92, 0.95, 0.93], [0.41, 0.42, 0.43])])["goals"]
+    assert _goal(met, "DiT-XL/2 TREAD: routed efficiency")["verdict"] == "met"
+    assert _goal(met, "DiT-XL/2 TREAD, batch 64: routed MFU")["verdict"] == "met"
+    few = _xl_row([0.95], [0.45])
+    few["rounds"] = {"efficiency": [0.95], "mfu_routed": [0.45]}
+    short = _goal(_report([few])["goals"], "DiT-XL/2 TREAD: routed efficiency")
+    assert short["verdict"] == "undecided" and short["note"] == "1 round(s), fewer than 3"
+
+
+def test_the_verdict_rule_and_ranges():
+    assert spread.verdict(0.91, 0.95, 0.9) == "met" and spread.verdict(0.80, 0.89, 0.9) == "missed"
+    assert spread.verdict(0.89, 0.91, 0.9) == "undecided" and spread.verdict(None, None, 0.9) == "not measured"
+    assert spread.verdict(0.70, 0.79, 0.8, at_most=True) == "met" and spread.verdict(0.79, 0.81, 0.8, at_most=True) == "undecided"
+    assert spread.spread([3.0, 1.0, 2.0, None]) == {"median": 2.0, "low": 1.0, "high": 3.0, "n": 3}
+    # Measured apart: the ratio's range pairs the extremes.
+    assert spread.ratio_range([90.0, 100.0], [100.0, 110.0]) == pytest.approx(
+        {"median": 95.0 / 105.0, "low": 90.0 / 110.0, "high": 1.0, "n": 2})
+
+
+def test_rounds_interleave_and_warm_up_once():
+    calls: list[str] = []
+    fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    out = spread.interleaved_rounds(fns, rounds=3, repeats=2, warmup=1, device="cpu")
+    assert [len(v) for v in out.values()] == [3, 3] and all(s >= 0 for v in out.values() for s in v)
+    assert calls == ["a", "b"] * (1 + 3 * 2)  # one warm-up round, then 3 rounds of 2 repeats, alternating
+
+
+def test_an_unfair_side_by_side_decides_nothing():
+    row = {"section": "dit-XL-official", "ratio_routed": 0.75, "rounds": {"ratio_routed": [0.74, 0.75, 0.76]}, "fair": False,
+           "fairness": "routing saved the official side 8% of its step where its FLOPs predict 42% (less than 20%)"}
+    sections = [{"name": "dit-XL-official", "status": "measured", "records": [row]}]
+    g = _goal(gpu_report.goals(sections, dry_run=False), "DiT-XL/2 TREAD beside CompVis/tread's DiT")
+    assert g["verdict"] == "undecided" and g["note"].startswith("reported, not decided: routing saved the official side 8%")
+    row["fair"] = True
+    assert _goal(gpu_report.goals(sections, dry_run=False), "DiT-XL/2 TREAD beside")["verdict"] == "met"
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", "matmul"),
+    ("ampere_sgemm_128x64_tn", "matmul fp32"),
+    ("cutlass_80_tensorop_s1688gemm_tf32_256x128_16x3_tn_align4", "matmul fp32"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<72, 128, 64, 4>>", "attention"),
+    ("fmha_cutlassF_f32_aligned_64x64_rf_sm80", "attention"),
+    ("triton_per_fused_native_layer_norm_0", "norm"),
+    ("void at::native::index_elementwise_kernel<128, 4>", "gather/scatter"),
+    ("void at::native::_scatter_gather_elementwise_kernel<128, 4>", "gather/scatter"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
+    ("triton_poi_fused_add_mul_silu_3", "elementwise"),
+    ("Memcpy DtoD (Device -> Device)", "other"),
+])
+def test_profiled_kernels_are_sorted_into_kinds(name, kind):
+    assert gpu_profile.kind_of(name) == kind
+
+
+def test_profile_adds_each_steps_launches_to_its_row(tmp_path):
+    report = gpu.main(["--dry-run", "--sections", "dit-S", "--profile", "--out", str(tmp_path / "out")])
+    (row,) = report["sections"][0]["records"]
+    assert set(row["profile"]) == {"unrouted", "routed"} and report["profile"]
+    for prof in row["profile"].values():
+        assert prof["top"] and prof["launches"] > 0 and sum(prof["shares"].values()) == pytest.approx(1.0)
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "dit-S, one routed step (torch.profiler): " in md and "dit-S, one unrouted step (torch.profiler): " in md

@@ -28,6 +28,7 @@ from functools import partial
 from pathlib import Path
 
 from train.bench.gpu_budget import PROGRESS, Section, run_sections
+from train.bench.spread import ROUNDS, ratio_range
 from routing import ConfigError
 from train.cli import ArgumentParser, bounded, device as device_type, output_folder, refuse
 
@@ -44,6 +45,8 @@ class Settings:
     cuda_graphs: bool = False
     bf16: bool = True
     regions: bool = False  # --compile-regions
+    rounds: int = ROUNDS  # rounds of interleaved repeats per speed row (--rounds)
+    profile: bool = False  # --profile: each training-step row also profiles one unrouted and one routed step
     steps: dict = field(default_factory=dict)  # (backbone, preset, policy, batch, channels) -> measured row
     tread: Path | None = None  # a local copy of CompVis/tread's dit.py and routing_module.py (--tread)
 
@@ -74,11 +77,13 @@ def family_checks(s: Settings) -> dict:
     return out
 
 
-def kernel_speed(s: Settings) -> dict:
+def kernel_speed(s: Settings, precision: str = "bf16") -> dict:
+    """The kernels in bf16 (their goals) with the scan's 64-step chunks beside it; or in fp32 (opt-in, no goal)."""
     from train.bench.gpu_speed import kernel_rows
 
     scan, wkv = ((1, 4, 8, 4), (1, 8, 4)) if s.dry_run else ((64, 768, 256, 16), (64, 256, 384))
-    rows = PROGRESS.collect(kernel_rows(_kernel_device(s), scan, wkv, *_repeats(s, 20, 5)))
+    rows = PROGRESS.collect(kernel_rows(_kernel_device(s), scan, wkv, *_repeats(s, 20, 5), rounds=s.rounds, precisions=(precision,),
+                                        short_chunks=precision == "bf16"))
     for row in rows if s.dry_run else []:
         row["goal_met"] = None  # tiny shapes decide no goal
     broken = [r for r in rows if "error" in r]
@@ -91,7 +96,7 @@ def step(s: Settings, backbone: str, preset: str, policy: str, batch: int, chann
 
     row = step_row(backbone, s.preset(preset), policy, s.batch(batch), channels, s.size, str(_device(s)), s.bf16, s.compile,
                    *_repeats(s, s.repeats, s.warmup), cuda_graphs=s.cuda_graphs, fall_back=backbone in ("rwkv", "mamba"),
-                   regions=s.regions)
+                   regions=s.regions, rounds=s.rounds, profile=s.profile)
     s.steps[backbone, preset, policy, batch, channels] = row
     return {"status": "measured", "records": [row], "note": row["note"]}
 
@@ -101,7 +106,7 @@ def trainer(s: Settings, remaining: float) -> dict:
     from train.bench.gpu_speed import trainer_row
 
     batch = s.batch(128)
-    row = trainer_row(s.preset("B"), batch, s.size, 6 if s.dry_run else 60, 2 if s.dry_run else 10, s.bf16, s.compile,
+    row = trainer_row(s.preset("B"), batch, s.size, 8 if s.dry_run else 60, 2 if s.dry_run else 10, s.bf16, s.compile,
                       s.cuda_graphs, s.dry_run, timeout_s=max(remaining, 1.0), regions=s.regions)
     bare = s.steps.get(("dit", "B", "random", 128, 3))
     note = "bare step from the DiT-B/2 TREAD row"
@@ -111,6 +116,9 @@ def trainer(s: Settings, remaining: float) -> dict:
         row["bare_step"] = {"section": "dit-B-tread", **bare}
     row.update(bare_ms=bare["ms_routed"], bare_images_per_s=batch / (bare["ms_routed"] / 1e3))
     row["ratio"] = row["trainer_images_per_s"] / row["bare_images_per_s"]
+    # Measured apart (two processes), so the ratio's range pairs the extremes of both sides' rounds.
+    bare_rates = [batch / (ms / 1e3) for ms in bare.get("rounds", {}).get("ms_routed", [bare["ms_routed"]])]
+    row["spreads"] = {"ratio": ratio_range(row["rounds"]["trainer_images_per_s"], bare_rates)}
     return {"status": "measured", "records": [row], "note": note}
 
 
@@ -120,8 +128,9 @@ def official(s: Settings) -> dict:
 
     argv = ["--tread", str(s.tread), "--presets", s.preset("XL"), "--batch", str(s.batch(64)), "--input-size", str(s.size),
             "--device", str(_device(s)), "--compile", s.compile, "--repeats", str(_repeats(s, s.repeats, s.warmup)[0]),
-            "--warmup", str(_repeats(s, s.repeats, s.warmup)[1])]
+            "--warmup", str(_repeats(s, s.repeats, s.warmup)[1]), "--rounds", str(s.rounds)]
     argv += (["--bf16"] if s.bf16 else []) + (["--cuda-graphs"] if s.cuda_graphs else []) + (["--compile-regions"] if s.regions else [])
+    argv += ["--profile"] if s.profile else []
     try:
         (row,) = side_by_side(argv)
     except SystemExit as stop:  # its refusal (the message is above) must not end the whole check
@@ -130,32 +139,51 @@ def official(s: Settings) -> dict:
 
 
 def sections(s: Settings) -> list[Section]:
-    """Every section in order of importance, with its time on one H100 (compiles included): kernels, families,
-    kernel-speed, rwkv-S, mamba-S and dit-S from docs/gpu/h100-2026-11-26b; dit-XL-official, dit-XL-sprint and
-    dit-B-sprint from docs/gpu/h100-2026-11-26c, where the trainer took 148 s with the bare DiT-B/2 step (68 s of
-    compile) inside it. dit-XL-tread and dit-B-tread have not run alone: theirs are guessed from those."""
+    """Every section, the default set first in order of importance, with its time on one H100 (compiles included,
+    three rounds of timing): correctness, then the DiT goals, the trainer, the kernels and the scan families.
+
+    Estimates, from the section times of the H100 reports (docs/reports/2026-11-26-h100-gpu-check.md): kernels 90 s,
+    families 13, kernel-speed 78-95, rwkv-S 202, mamba-S 134, dit-S 58 (h100-2026-11-26b); dit-XL-official 214 (our
+    whole-model compile 158 of it), dit-XL-sprint 84 (after the official section, its unrouted graph from Inductor's
+    cache), trainer 148 with the bare DiT-B/2 step inside it (68 s of compile), dit-B-sprint 42 (h100-2026-11-26c).
+    dit-XL-tread has not run alone: our side of the official row, 158 s of compile and the timing, is its guess.
+    Three rounds instead of one add a few seconds of timing to each step row."""
+    official_row = [Section("dit-XL-official", "DiT-XL/2, TREAD, batch 64, beside CompVis/tread's DiT", "official", 230,
+                            partial(official, s))] if s.tread else []
+    xl_tread = [Section("dit-XL-tread", "DiT-XL/2, TREAD, batch 64", "steps", 175, partial(step, s, "dit", "XL", "random", 64))]
     return [
         Section("kernels", "Triton kernels against their references", "kernel_checks", 90, partial(kernel_checks, s)),
         Section("families", "every family on the device against the CPU", "family_checks", 15, partial(family_checks, s)),
-        # 78-95 s measured; since 0f6b02f it also tunes 3x the backward configs and times the 64-step scan: guessed.
-        Section("kernel-speed", "kernels at their reference shapes", "kernel_speed", 130, partial(kernel_speed, s)),
-        Section("rwkv-S", "RWKV-S/2, rows, batch 64", "steps", 200, partial(step, s, "rwkv", "S", "rows", 64)),
-        Section("mamba-S", "Mamba-S/2, rows, batch 64", "steps", 135, partial(step, s, "mamba", "S", "rows", 64)),
-        Section("dit-S", "DiT-S/2, TREAD, batch 64 (the scan families' MFU reference)", "steps", 60, partial(step, s, "dit", "S", "random", 64)),
-        Section("dit-XL-tread", "DiT-XL/2, TREAD, batch 64", "steps", 90, partial(step, s, "dit", "XL", "random", 64)),
-        *([Section("dit-XL-official", "DiT-XL/2, TREAD, batch 64, beside CompVis/tread's DiT", "official", 215,
-                   partial(official, s))] if s.tread else []),
+        # With --tread the side-by-side measures our DiT-XL/2 TREAD step too (the same mode, the same route), so it
+        # decides that row's goals and dit-XL-tread leaves the default set.
+        *(official_row or xl_tread),
         Section("dit-XL-sprint", "DiT-XL/2, SPRINT, batch 64", "steps", 85, partial(step, s, "dit", "XL", "sprint", 64)),
         Section("dit-B-tread", "DiT-B/2, TREAD, batch 128, 32x32x3", "steps", 75, partial(step, s, "dit", "B", "random", 128, 3)),
         Section("trainer", "python -m train against the bare step (DiT-B/2, batch 128)", "trainer", 80, partial(trainer, s),
                 needs_remaining=True),
+        # 78-95 s measured with the fp32 rows; since 0f6b02f it also tunes 3x the backward configs and times the 64-step
+        # scan, and now leaves the fp32 rows to kernel-speed-fp32: guessed.
+        Section("kernel-speed", "kernels at their reference shapes, bf16", "kernel_speed", 100, partial(kernel_speed, s)),
+        Section("dit-S", "DiT-S/2, TREAD, batch 64 (the scan families' MFU reference)", "steps", 60, partial(step, s, "dit", "S", "random", 64)),
+        Section("mamba-S", "Mamba-S/2, rows, batch 64", "steps", 135, partial(step, s, "mamba", "S", "rows", 64)),
+        Section("rwkv-S", "RWKV-S/2, rows, batch 64", "steps", 200, partial(step, s, "rwkv", "S", "rows", 64)),
+        # Opt-in (--sections): no goal rests on them alone.
+        *(xl_tread if official_row else []),
         Section("dit-B-sprint", "DiT-B/2, SPRINT, batch 128, 32x32x3", "steps", 45, partial(step, s, "dit", "B", "sprint", 128, 3)),
+        Section("kernel-speed-fp32", "kernels at their reference shapes, fp32", "kernel_speed", 40, partial(kernel_speed, s, "fp32")),
     ]
 
 
-SECTION_NAMES = ("kernels", "families", "kernel-speed", "rwkv-S", "mamba-S", "dit-S", "dit-XL-tread", "dit-XL-sprint",
-                 "dit-B-tread", "trainer", "dit-B-sprint")
+SECTION_NAMES = ("kernels", "families", "dit-XL-tread", "dit-XL-sprint", "dit-B-tread", "trainer", "kernel-speed", "dit-S",
+                 "mamba-S", "rwkv-S", "dit-B-sprint", "kernel-speed-fp32")
 OPTIONAL_SECTIONS = ("dit-XL-official",)  # only with --tread
+OPT_IN = ("dit-B-sprint", "kernel-speed-fp32")  # run only when --sections names them
+
+
+def default_set(s: Settings) -> list[str]:
+    """The sections a run without --sections runs: every goal of docs/performance.md (dit-XL-official in place of
+    dit-XL-tread with --tread)."""
+    return [x.name for x in sections(s) if x.name not in OPT_IN and not (s.tread and x.name == "dit-XL-tread")]
 
 
 def _checked(records: list[dict]) -> dict:
@@ -203,11 +231,17 @@ def parse(argv: list[str] | None):
                    help="compile each distinct block once and reuse it (with --compile model; trainer.compile_regions=true)")
     p.add_argument("--repeats", type=bounded(int, 1, 1000, example="--repeats 10"), default=10, help="timed steps per row")
     p.add_argument("--warmup", type=bounded(int, 0, 100, example="--warmup 3"), default=3, help="untimed steps per row")
+    p.add_argument("--rounds", type=bounded(int, ROUNDS, 100, example=f"--rounds {ROUNDS}"), default=ROUNDS,
+                   help=f"rounds of interleaved repeats per speed row; a goal is decided on their range (default and least {ROUNDS})")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one unrouted and one routed step of every training-step row and both sides of the side-by-side "
+                        "(torch.profiler: the costliest launches and the share of attention, matmuls, norms, gather/scatter)")
     p.add_argument("--tread", type=Path, default=None, metavar="DIR",
                    help="a folder with a local copy of CompVis/tread's dit.py and routing_module.py: adds DiT-XL/2 side by side "
                         "with the official code (train.bench.official)")
     p.add_argument("--sections", nargs="+", choices=SECTION_NAMES + OPTIONAL_SECTIONS, default=None, metavar="NAME",
-                   help=f"run only these ({', '.join(SECTION_NAMES)})")
+                   help=f"run only these ({', '.join(SECTION_NAMES)}; dit-XL-official with --tread); default: every "
+                        f"section but the opt-in {', '.join(OPT_IN)}")
     p.add_argument("--dry-run", action="store_true", help="every section at tiny shapes on the CPU, to check the command itself")
     args = p.parse_args(argv)
     import torch
@@ -255,18 +289,25 @@ def main(argv: list[str] | None = None) -> dict:
     from train.bench.timing import now
 
     s = Settings(args.device, args.dry_run, args.compile, args.repeats, args.warmup, args.cuda_graphs, tread=args.tread,
-                 regions=args.compile_regions)
+                 regions=args.compile_regions, rounds=args.rounds, profile=args.profile)
     if s.dry_run:
         torch.set_num_threads(1)  # tiny shapes gain nothing from threads, and lose much on a busy machine
-    chosen = [x for x in sections(s) if args.sections is None or x.name in args.sections]
+    every = sections(s)
+    asked = args.sections or default_set(s)
+    chosen = [x for x in every if x.name in asked]
+    estimate = sum(x.estimate_s for x in chosen)
     env = gpu_report.environment(torch.device(args.device))
     print(f"GPU check on {env['device']}, torch {env['torch']}, Triton {env['triton']}, commit {env['commit']}; compile={s.compile}"
-          f"{' with regions' if s.regions else ''}{' with CUDA graphs' if s.cuda_graphs else ''}, budget {args.budget_s:.0f} s{', dry run' if s.dry_run else ''}", flush=True)
+          f"{' with regions' if s.regions else ''}{' with CUDA graphs' if s.cuda_graphs else ''}, {s.rounds} rounds per row"
+          f"{', profiled' if s.profile else ''}, budget {args.budget_s:.0f} s{', dry run' if s.dry_run else ''}; "
+          f"{len(chosen)} sections, about {estimate:.0f} s on one H100 by the last reports' times", flush=True)
     began = time.monotonic()
     results = run_sections(chosen, args.budget_s, dry_run=s.dry_run)
     report = {"command": "python -m train.bench.gpu " + " ".join(sys.argv[1:] if argv is None else argv), "date": now(),
               "dry_run": s.dry_run, "environment": env, "bf16": s.bf16, "compile": s.compile, "cuda_graphs": s.cuda_graphs,
-              "compile_regions": s.regions, "budget_s": args.budget_s, "seconds": time.monotonic() - began, "sections": results}
+              "compile_regions": s.regions, "budget_s": args.budget_s, "seconds": time.monotonic() - began, "sections": results,
+              "rounds": s.rounds, "profile": s.profile, "estimate_s": estimate,
+              "not_run": [{"name": x.name, "title": x.title, "estimate_s": x.estimate_s} for x in every if x.name not in asked]}
     report["goals"] = gpu_report.goals(results, s.dry_run)
     md, js = gpu_report.write(args.out, report)
     print(f"wrote {md} and {js}", flush=True)

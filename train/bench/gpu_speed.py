@@ -14,8 +14,10 @@ import io
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
+import time
 from unittest import mock
 from collections.abc import Iterator
 import tempfile
@@ -24,7 +26,9 @@ from pathlib import Path
 import torch
 
 from train.bench import routing
-from train.bench.timing import card_bandwidth, interleaved_medians
+from train.bench.gpu_profile import profile_call
+from train.bench.spread import ROUNDS, interleaved_rounds, spread
+from train.bench.timing import card_bandwidth
 from train.bench.wkv import ideal_bytes as wkv_ideal_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,13 +102,15 @@ def trainer_compile_overrides(mode: str, cuda_graphs: bool = False) -> list[str]
 
 def step_row(backbone: str, preset: str, policy: str, batch: int, channels: int, size: int, device: str, bf16: bool,
              compile_mode: str, repeats: int, warmup: int, cuda_graphs: bool = False, fall_back: bool = False,
-             regions: bool = False) -> dict:
-    """One row of train.bench.routing (its own measure(): FLOPs, ms, efficiency, MFU), with what was asked.
-    `fall_back`: when the compiled run fails, try the next lesser mode (model, then blocks, then eager), and say
-    why in `note` ("compiled where they compile"). `regions`: --compile-regions with the first try."""
+             regions: bool = False, rounds: int = ROUNDS, profile: bool = False) -> dict:
+    """One row of train.bench.routing (its own measure(): FLOPs, ms, efficiency, MFU, each round's numbers and the
+    first steps' time), with what was asked. `fall_back`: when the compiled run fails, try the next lesser mode
+    (model, then blocks, then eager), and say why in `note` ("compiled where they compile"). `regions`:
+    --compile-regions with the first try. `profile`: one unrouted and one routed step profiled after the timing."""
     argv = ["--backbone", backbone, "--presets", preset, "--policy", policy, "--batch", str(batch), "--channels", str(channels),
-            "--input-size", str(size), "--patch", "2", "--device", device, "--repeats", str(repeats), "--warmup", str(warmup)]
-    argv += ["--bf16"] if bf16 else []
+            "--input-size", str(size), "--patch", "2", "--device", device, "--repeats", str(repeats), "--warmup", str(warmup),
+            "--rounds", str(rounds)]
+    argv += (["--bf16"] if bf16 else []) + (["--profile"] if profile else [])
     modes = ("model", "blocks", "off")
     tries = [(compile_mode, cuda_graphs)] + ([(m, False) for m in modes[modes.index(compile_mode) + 1:]] if fall_back else [])
     notes = []
@@ -143,11 +149,14 @@ def scan_ideal_bytes(b: int, d: int, length: int, n: int, element: int) -> tuple
     return forward, forward + (5 * act + 4 * bc) * element + 2 * small  # read them and dy again; write their grads
 
 
-def kernel_rows(device: torch.device, scan_shape: tuple[int, ...], wkv_shape: tuple[int, ...], repeats: int, warmup: int) -> Iterator[dict]:
+def kernel_rows(device: torch.device, scan_shape: tuple[int, ...], wkv_shape: tuple[int, ...], repeats: int, warmup: int,
+                rounds: int = ROUNDS, precisions: tuple[str, ...] = ("bf16", "fp32"), short_chunks: bool = True) -> Iterator[dict]:
     """Triton kernel and the chunked PyTorch op, forward and forward+backward, interleaved, with the ideal bytes
     against the card's bandwidth, one row at a time. Goals (issue 36, bf16): scan <= 0.6 ms, Bi-WKV <= 0.4 ms
     forward+backward. A last row times the scan in bf16 with 64-step chunks (TREAD_SCAN_CHUNK=64, the 1-2 warp
-    configs) beside the default 256; the goal is decided by the default's row."""
+    configs) beside the default 256; the goal is decided by the default's row. Each row times `rounds` rounds and
+    keeps them (the goal is decided on their range); `precisions` and `short_chunks` choose the rows (the fp32 ones
+    decide no goal)."""
     from backbones.ops import selective_scan_triton, wkv_triton
     from backbones.ops.cuda_kernels import scan_fn
     from backbones.ops.wkv import bi_wkv
@@ -159,22 +168,24 @@ def kernel_rows(device: torch.device, scan_shape: tuple[int, ...], wkv_shape: tu
         inputs["delta_bias"] = torch.full((d,), -4.0, device=device)  # softplus(-4) ~ 0.018, a typical step
         row = _time_kernel(name, precision, f"b{b} d{d} L{length} N{n}", inputs, 0.6 if precision == "bf16" else None,
                            lambda backend, **kw: scan_fn(**kw, delta_softplus=True, backend=backend),
-                           scan_ideal_bytes(b, d, length, n, _bytes(precision)), repeats, warmup, device)
+                           scan_ideal_bytes(b, d, length, n, _bytes(precision)), repeats, warmup, device, rounds)
         return {**row, "tuned": tuned_configs(selective_scan_triton)}
 
     def wkv(precision: str) -> dict:
         row = _time_kernel("Bi-WKV", precision, f"B{B} T{T} C{C}", wkv_inputs(B, T, C, device, precision),
                            0.4 if precision == "bf16" else None, lambda backend, **kw: bi_wkv(**kw, backend=backend),
-                           wkv_ideal_bytes(B, T, C, _bytes(precision)), repeats, warmup, device)
+                           wkv_ideal_bytes(B, T, C, _bytes(precision)), repeats, warmup, device, rounds)
         return {**row, "tuned": tuned_configs(wkv_triton)}
 
     b, d, length, n = scan_shape
     B, T, C = wkv_shape
-    for precision in ("bf16", "fp32"):
+    for precision in precisions:
         yield guarded({"kernel": "selective scan", "precision": precision, "shape": f"b{b} d{d} L{length} N{n}"},
                       lambda: scan(precision))
         yield guarded({"kernel": "Bi-WKV", "precision": precision, "shape": f"B{B} T{T} C{C}"}, lambda: wkv(precision))
     short = "selective scan, 64-step chunks"
+    if not short_chunks:
+        return
     with mock.patch.dict(os.environ, {"TREAD_SCAN_CHUNK": "64"}):
         yield guarded({"kernel": short, "precision": "bf16", "shape": f"b{b} d{d} L{length} N{n}"}, lambda: scan("bf16", short))
 
@@ -203,7 +214,7 @@ def _bytes(precision: str) -> int:
     return 2 if precision == "bf16" else 4
 
 
-def _time_kernel(kernel, precision, shape, inputs, goal_ms, op, ideal, repeats, warmup, device) -> dict:
+def _time_kernel(kernel, precision, shape, inputs, goal_ms, op, ideal, repeats, warmup, device, rounds) -> dict:
     leaves = {k: v.detach().clone().requires_grad_() for k, v in inputs.items()}
     calls = {}
     for backend in ("triton", "torch"):
@@ -217,7 +228,12 @@ def _time_kernel(kernel, precision, shape, inputs, goal_ms, op, ideal, repeats, 
             torch.autograd.grad(y, list(leaves.values()), torch.ones_like(y))
 
         calls[backend, "fwd"], calls[backend, "fwd+bwd"] = forward, both
-    ms = {key: s * 1e3 for key, s in interleaved_medians(calls, repeats, warmup, device).items()}
+    tic = time.perf_counter()
+    calls["triton", "fwd+bwd"]()  # the first call: Triton's compile and autotuning, timed apart
+    _sync(device)
+    first_s = time.perf_counter() - tic
+    per_round = {key: [s * 1e3 for s in v] for key, v in interleaved_rounds(calls, rounds, repeats, warmup, device).items()}
+    ms = {key: statistics.median(v) for key, v in per_round.items()}
     launches = launch_profile(calls["triton", "fwd+bwd"], device)
     peak = card_bandwidth(device)
     achieved = ideal[1] / (ms["triton", "fwd+bwd"] / 1e3)
@@ -226,23 +242,20 @@ def _time_kernel(kernel, precision, shape, inputs, goal_ms, op, ideal, repeats, 
             "speedup_vs_torch": ms["torch", "fwd+bwd"] / ms["triton", "fwd+bwd"], "ideal_bytes_fwd": ideal[0],
             "ideal_bytes_fwd_bwd": ideal[1], "achieved_gbps": achieved / 1e9, "peak_fraction": achieved / peak if peak else None,
             "roofline_ms": ideal[1] / peak * 1e3 if peak else None, "goal_ms": goal_ms,
-            "goal_met": None if goal_ms is None else ms["triton", "fwd+bwd"] <= goal_ms, "launches": launches}
+            "goal_met": None if goal_ms is None else ms["triton", "fwd+bwd"] <= goal_ms, "launches": launches,
+            "first_s": first_s, "rounds": {"ms_fwd": per_round["triton", "fwd"], "ms_fwd_bwd": per_round["triton", "fwd+bwd"]}}
 
 
 def launch_profile(call, device: torch.device, top: int = 10) -> list[dict]:
-    """Where one call's time goes: torch.profiler over one call, its `top` costliest kernels (on a GPU: device
-    time of each launched kernel, Triton's and torch's alike; on a CPU: the ops' own CPU time), each with its calls
-    and microseconds, costliest first. The one H100 run had only totals, which cannot say which launch is slow."""
-    from torch.profiler import ProfilerActivity, profile
+    """Where one call's time goes: its `top` costliest kernels (train.bench.gpu_profile: device time on a GPU, the
+    ops' own CPU time on a CPU), each with its calls, microseconds and kind, costliest first. The one H100 run had
+    only totals, which cannot say which launch is slow."""
+    return profile_call(call, device, top)["top"]
 
-    cuda = device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
-        call()
-        if cuda:
-            torch.cuda.synchronize(device)
-    rows = [(e.key, e.count, (e.self_device_time_total if cuda else e.self_cpu_time_total)) for e in prof.key_averages()]
-    rows = sorted((r for r in rows if r[2] > 0), key=lambda r: -r[2])[:top]
-    return [{"name": name[:80], "calls": count, "us": float(us)} for name, count, us in rows]
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def trainer_row(preset: str, batch: int, size: int, steps: int, log_every: int, bf16: bool, compile_mode: str, cuda_graphs: bool,
@@ -276,5 +289,8 @@ def trainer_row(preset: str, batch: int, size: int, steps: int, log_every: int, 
         raise RuntimeError(f"python -m train logged {len(timed)} timed steps; the rate needs two")
     first, last = timed[0], timed[-1]
     rate = batch * (last["step"] - first["step"]) / (last["seconds"] - first["seconds"])
+    # Each span between two logged steps after the first logged one is a round: its images/s.
+    rounds = [batch * (b["step"] - a["step"]) / (b["seconds"] - a["seconds"]) for a, b in zip(timed, timed[1:])]
     return {"command": "python -m train " + " ".join(a for a in argv if not a.startswith("run_dir=")), "steps_timed": last["step"] - first["step"],
-            "trainer_images_per_s": rate, "compile": compile_mode, "cuda_graphs": cuda_graphs}
+            "trainer_images_per_s": rate, "compile": compile_mode, "cuda_graphs": cuda_graphs,
+            "first_s": first["seconds"], "rounds": {"trainer_images_per_s": rounds}}

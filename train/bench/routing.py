@@ -17,6 +17,7 @@ utilization: counted FLOPs / step time / the card's dense bf16 peak (--peak-tflo
 from __future__ import annotations
 
 import itertools
+import statistics
 import time
 from pathlib import Path
 
@@ -28,7 +29,9 @@ from edm import EDMPrecond
 from train.build import build_router
 from train.compiling import MODES, compile_network, compiled_graphs
 from routing import count_flops
-from train.bench.timing import interleaved_medians, training_step
+from train.bench.gpu_profile import profile_call
+from train.bench.spread import interleaved_rounds
+from train.bench.timing import training_step
 from train.cli import ArgumentParser, bounded, check_presets, check_tokens, device as device_type
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -90,21 +93,30 @@ def measure(args, preset: str) -> dict:
     if args.compile != "off":
         compiled["net"] = compile_network(net, model, args.compile, args.cuda_graphs, regions=args.compile_regions)
         plain_router.regions = router.regions  # the routers take turns: the unrouted graph's blocks are regions too
-        before = compiled_graphs()
-        tic = time.perf_counter()
-        with autocast:
-            unrouted()
-            routed()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        compile_seconds, graphs = time.perf_counter() - tic, compiled_graphs() - before
+    before = compiled_graphs()
+    tic = time.perf_counter()  # the first steps, compiled or not: what a user waits before the first logged step
     with autocast:
-        seconds = interleaved_medians({"unrouted": unrouted, "routed": routed}, args.repeats, args.warmup, device)
+        unrouted()
+        routed()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    first_seconds = time.perf_counter() - tic
+    if args.compile != "off":
+        compile_seconds, graphs = first_seconds, compiled_graphs() - before
+    with autocast:
+        rounds = interleaved_rounds({"unrouted": unrouted, "routed": routed}, args.rounds, args.repeats, args.warmup, device)
+        profiles = {k: profile_call(fn, device) for k, fn in (("unrouted", unrouted), ("routed", routed))} if args.profile else None
+    seconds = {k: statistics.median(v) for k, v in rounds.items()}
     peak = peak_tflops(device, args.peak_tflops)
     mfu = {k: flops[k] / seconds[k] / (peak * 1e12) for k in flops} if peak else {"unrouted": None, "routed": None}
     ideal = flops["unrouted"] / flops["routed"]
     measured = seconds["unrouted"] / seconds["routed"]
     route = router.routes[0]
+    # Each round's own numbers (its unrouted and routed medians were timed interleaved), for the median and range.
+    per_round = {"ms_unrouted": [s * 1e3 for s in rounds["unrouted"]], "ms_routed": [s * 1e3 for s in rounds["routed"]],
+                 "efficiency": [u / r / ideal for u, r in zip(rounds["unrouted"], rounds["routed"])],
+                 "mfu_unrouted": [flops["unrouted"] / s / (peak * 1e12) if peak else None for s in rounds["unrouted"]],
+                 "mfu_routed": [flops["routed"] / s / (peak * 1e12) if peak else None for s in rounds["routed"]]}
     return {
         "preset": preset, "tokens": model.grid[0] * model.grid[1], "batch": args.batch,
         "route": f"r{route.start_layer_idx}->{route.end_layer_idx} x{route.selection_ratio}",
@@ -112,6 +124,7 @@ def measure(args, preset: str) -> dict:
         "ideal": ideal, "ms_unrouted": seconds["unrouted"] * 1e3, "ms_routed": seconds["routed"] * 1e3,
         "measured": measured, "efficiency": measured / ideal,
         "mfu_unrouted": mfu["unrouted"], "mfu_routed": mfu["routed"], "compile_s": compile_seconds, "graphs": graphs,
+        "first_s": first_seconds, "rounds": per_round, "profile": profiles,
     }
 
 
@@ -127,6 +140,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--batch", type=bounded(int, 1, example="--batch 8"), default=8)
     p.add_argument("--repeats", type=bounded(int, 1, example="--repeats 7"), default=7)
     p.add_argument("--warmup", type=bounded(int, 0, example="--warmup 2"), default=2)
+    p.add_argument("--rounds", type=bounded(int, 1, example="--rounds 3"), default=1, help="rounds of interleaved repeats; each row keeps every round's numbers")
+    p.add_argument("--profile", action="store_true", help="profile one unrouted and one routed step after timing (torch.profiler)")
     p.add_argument("--device", type=device_type, default="cpu")
     p.add_argument("--bf16", action="store_true", help="autocast to bf16 (GPU)")
     p.add_argument("--threads", type=bounded(int, 1, example="--threads 2"), default=None, help="torch CPU threads (default: torch's choice)")
