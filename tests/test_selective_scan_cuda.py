@@ -160,3 +160,32 @@ def test_cuda_kernels_match_reference(dtype, tol, length, groups, d, backend):
         scale = ref.float().abs().max().clamp(min=1)  # sums over the batch and channels grow with them
         torch.testing.assert_close(got.float() / scale, ref.float() / scale, atol=tol, rtol=tol,
                                    msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def test_dispatch_names_the_cuda_backend(monkeypatch):
+    from backbones.ops.cuda_kernels import resolve_backend, scan_implementation
+
+    assert resolve_backend("cuda", on_cuda=True) == "cuda"
+    monkeypatch.setenv("TREAD_SCAN_BACKEND", "cuda")
+    assert resolve_backend(None, on_cuda=True) == "cuda"
+    with pytest.raises(RuntimeError, match="needs CUDA tensors"):
+        resolve_backend(None, on_cuda=False)
+    assert scan_implementation("cuda") is ssc.selective_scan_cuda
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("compiled", [False, True])
+def test_custom_op_runs_the_cuda_kernels(compiled):
+    """The custom op (what torch.compile sees) with backend="cuda" against the eager CUDA scan."""
+    from backbones.ops.selective_scan_op import selective_scan_compilable
+
+    inputs = {k: v.requires_grad_() for k, v in _inputs(d=8, length=300, n=16, dtype=torch.float32, device="cuda").items()}
+    op = torch.compile(selective_scan_compilable, fullgraph=True) if compiled else selective_scan_compilable
+    out = op(**inputs, delta_softplus=True, backend="cuda")
+    want = ssc.selective_scan_cuda(**inputs, delta_softplus=True)
+    torch.testing.assert_close(out, want)
+    dout = torch.randn_like(out)
+    for name, got, ref in zip(NAMES, torch.autograd.grad(out, list(inputs.values()), dout),
+                              torch.autograd.grad(want, list(inputs.values()), dout)):
+        torch.testing.assert_close(got, ref, msg=lambda m, name=name: f"d{name}: {m}")

@@ -357,7 +357,7 @@ def test_dispatcher_forces_triton_and_logs_it(device, caplog):
     assert torch.equal(forced, selective_scan_triton(**inputs, delta_softplus=True))
     assert "selective scan: Triton kernel" in [r.getMessage() for r in caplog.records]
     with pytest.raises(ValueError, match="backend"):
-        cuda_kernels.scan_fn(**inputs, backend="cuda")
+        cuda_kernels.scan_fn(**inputs, backend="gluon")
 
 
 def test_dispatcher_default_backend_from_environment(device, monkeypatch):

@@ -6,7 +6,9 @@ Selective scan, `backend="auto"` (the default):
 2. CUDA tensors otherwise: our fused Triton kernel (`backbones/ops/selective_scan_triton.py`); Triton
    ships with torch, so this is the usual GPU path.
 3. CPU tensors, or CUDA without Triton: our pure-PyTorch scan (`backbones/ops/selective_scan.py`).
-`backend="mamba_ssm" | "triton" | "torch"` forces one (an error if it cannot run); the environment
+`backend="cuda"`: our CUDA kernels with mamba-ssm's structure (`backbones/ops/selective_scan_cuda.py`, compiled on
+the first call); opt-in only, "auto" does not pick them until a GPU has timed them.
+`backend="mamba_ssm" | "cuda" | "triton" | "torch"` forces one (an error if it cannot run); the environment
 variable TREAD_SCAN_BACKEND sets the default, so a training run can be switched without code changes.
 Under torch.compile `scan_fn` calls the custom op `torch.ops.tread.selective_scan` (selective_scan_op.py),
 which makes the same choice when it runs, and `conv_fn` the PyTorch conv, so a Mamba block is one graph.
@@ -72,7 +74,7 @@ def triton_selective_scan() -> Callable | None:
     return selective_scan_triton
 
 
-SCAN_BACKENDS = ("auto", "mamba_ssm", "triton", "torch")
+SCAN_BACKENDS = ("auto", "mamba_ssm", "cuda", "triton", "torch")
 
 
 def resolve_backend(backend: str | None, on_cuda: bool) -> str:
@@ -88,6 +90,10 @@ def resolve_backend(backend: str | None, on_cuda: bool) -> str:
             return "mamba_ssm"
         if backend == "mamba_ssm":
             raise RuntimeError("backend='mamba_ssm' needs CUDA tensors and mamba-ssm (pip install -e '.[cuda]')")
+    if backend == "cuda":
+        if not on_cuda:
+            raise RuntimeError("backend='cuda' needs CUDA tensors; on a CPU use 'torch'")
+        return "cuda"
     if backend == "triton" or (backend == "auto" and on_cuda):
         if triton_selective_scan() is not None:
             return "triton"
@@ -96,13 +102,21 @@ def resolve_backend(backend: str | None, on_cuda: bool) -> str:
     return "torch"
 
 
-_SCAN_NAMES = {"mamba_ssm": "mamba-ssm CUDA kernel", "triton": "Triton kernel", "torch": "pure-PyTorch chunked scan"}
+_SCAN_NAMES = {"mamba_ssm": "mamba-ssm CUDA kernel", "cuda": "our CUDA kernel", "triton": "Triton kernel",
+               "torch": "pure-PyTorch chunked scan"}
+
+
+def _our_cuda_scan() -> Callable:
+    from backbones.ops.selective_scan_cuda import selective_scan_cuda  # compiles nothing until called
+
+    return selective_scan_cuda
 
 
 def scan_implementation(path: str) -> Callable:
     """The function `resolve_backend`'s answer names (selective_scan_fn's positional signature); logs it once."""
     _announce(f"selective scan: {_SCAN_NAMES[path]}")
-    return {"mamba_ssm": cuda_selective_scan, "triton": triton_selective_scan}.get(path, lambda: selective_scan)()
+    return {"mamba_ssm": cuda_selective_scan, "cuda": _our_cuda_scan, "triton": triton_selective_scan}.get(
+        path, lambda: selective_scan)()
 
 
 def scan_fn(

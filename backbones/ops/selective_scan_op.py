@@ -11,7 +11,7 @@ the element-wise work around the scan (conv bias + SiLU, the flips, the z gate, 
 
 `backend` is scan_fn's: "" reads TREAD_SCAN_BACKEND at run time, "auto" picks mamba-ssm / Triton / the
 PyTorch scan by device (backbones/ops/cuda_kernels.py). The op runs:
-- "triton": the fused kernels; forward returns the chunk states its backward rebuilds from.
+- "triton" and "cuda": the fused kernels; forward returns the chunk states its backward rebuilds from.
 - "torch" (every CPU tensor, so the op compiles in CI) and "mamba_ssm": the implementation's forward
   without autograd, and a backward that recomputes it with autograd (states is empty). Recomputing costs
   one more forward; eager mode (scan_fn outside torch.compile) calls these implementations directly and
@@ -39,6 +39,17 @@ def _autograd_dispatch() -> torch._C._ForceDispatchKeyGuard:
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
 
 
+def _kernels(path: str):
+    """The module of the fused kernels `path` names; both have prepare, scan_forward, scan_backward, states_shape."""
+    if path == "cuda":
+        from backbones.ops import selective_scan_cuda
+
+        return selective_scan_cuda
+    from backbones.ops import selective_scan_triton
+
+    return selective_scan_triton
+
+
 def _compute_dtype(u: Tensor) -> torch.dtype:
     return torch.float64 if u.dtype == torch.float64 else torch.float32
 
@@ -49,11 +60,10 @@ def selective_scan_op(
     delta_bias: Optional[Tensor], delta_softplus: bool, backend: str,
 ) -> tuple[Tensor, Tensor]:
     path = _path(backend, u)
-    if path == "triton":
-        from backbones.ops import selective_scan_triton as sst
-
-        inputs = sst.prepare(u, delta, A, B, C, D, z, delta_bias)
-        return sst.scan_forward(*inputs, delta_softplus, store=True)
+    if path in ("triton", "cuda"):
+        kernels = _kernels(path)
+        inputs = kernels.prepare(u, delta, A, B, C, D, z, delta_bias)
+        return kernels.scan_forward(*inputs, delta_softplus, store=True)
     from backbones.ops.cuda_kernels import scan_implementation
 
     with torch.no_grad():
@@ -64,10 +74,9 @@ def selective_scan_op(
 @selective_scan_op.register_fake
 def _(u, delta, A, B, C, D, z, delta_bias, delta_softplus, backend):
     states = u.new_empty(0)
-    if _path(backend, u) == "triton":
-        from backbones.ops.selective_scan_triton import states_shape
-
-        states = u.new_empty(states_shape(*u.shape, A.shape[1]), dtype=_compute_dtype(u))
+    path = _path(backend, u)
+    if path in ("triton", "cuda"):
+        states = u.new_empty(_kernels(path).states_shape(*u.shape, A.shape[1]), dtype=_compute_dtype(u))
     return torch.empty_like(u, memory_format=torch.contiguous_format), states
 
 
@@ -79,10 +88,9 @@ def selective_scan_backward_op(
     """Gradients of u, delta, A, B, C, D, z, delta_bias, each in its input's dtype; empty for an absent input."""
     inputs = (u, delta, A, B, C, D, z, delta_bias)
     path = _path(backend, u)
-    if path == "triton":
-        from backbones.ops import selective_scan_triton as sst
-
-        grads = list(sst.scan_backward(dout, *sst.prepare(*inputs), delta_softplus, states))
+    if path in ("triton", "cuda"):
+        kernels = _kernels(path)
+        grads = list(kernels.scan_backward(dout, *kernels.prepare(*inputs), delta_softplus, states))
         grads[3], grads[4] = grads[3].view(B.shape), grads[4].view(C.shape)  # (b, 1, n, l) -> (b, n, l) if ungrouped
     else:
         from backbones.ops.cuda_kernels import scan_implementation
