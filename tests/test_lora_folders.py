@@ -72,3 +72,45 @@ def test_a_folder_of_format_2_still_loads(tmp_path):
     assert torch.equal(output(fresh, "flux"), output(model, "flux"))
     restored = lora_state_dict(fresh)
     assert all(torch.equal(v, lora_state_dict(model)[k]) for k, v in restored.items())
+
+
+def _cut_in_half(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _drop_rank(path):
+    record = json.loads(path.read_text())
+    del record["lora"]["rank"]
+    path.write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("name, damage, says", [
+    ("tread_zoo_lora.json", _cut_in_half, "is not valid JSON"),
+    ("tread_zoo_lora.json", lambda p: p.write_text(""), "is empty"),
+    ("tread_zoo_lora.json", _drop_rank, "has no valid field 'lora.rank'"),
+    ("pytorch_lora_weights.safetensors", _cut_in_half, "is cut short or damaged"),
+    ("pytorch_lora_weights.safetensors", lambda p: p.write_bytes(bytes(range(256)) * 4), "is not a safetensors file"),
+    ("adapter_config.json", _cut_in_half, "is not valid JSON"),
+    ("adapter_model.safetensors", _cut_in_half, "is cut short or damaged"),
+], ids=["record-half", "record-empty", "record-no-rank", "diffusers-half", "diffusers-random", "peft-config-half", "peft-weights-half"])
+def test_a_damaged_file_of_the_folder_is_one_sentence_and_changes_nothing(name, damage, says, tmp_path, capsys):
+    """load_lora raises FileError (a ConfigError: the commands print one line, exit 2) naming the file, before it adds
+    a LoRA to the model; the folder is left as it is."""
+    from routing import FileError
+    from train.cli import friendly_errors
+
+    save_lora(trained("dit"), tmp_path / "lora")
+    damage(tmp_path / "lora" / name)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "lora").iterdir()}
+    model = build("dit")
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(FileError) as err:
+        load_lora(model, tmp_path / "lora")
+    message = str(err.value)
+    assert message.startswith(f"'{tmp_path / 'lora' / name}' {says}") and "\n" not in message and message.endswith(".")
+    assert not hasattr(model, "_tread_lora") and model.state_dict().keys() == weights.keys()
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    with pytest.raises(SystemExit) as exit_:
+        friendly_errors(lambda: load_lora(model, tmp_path / "lora"))()
+    assert exit_.value.code == 2 and capsys.readouterr().err == f"error: {message}\n"
+    assert {p.name: p.read_bytes() for p in (tmp_path / "lora").iterdir()} == before
