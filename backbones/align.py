@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backbones.capture import EnoughCaptured, HiddenCapture, check_layers
+from backbones.ops.moe import capacity_routing
 from routing.errors import ConfigError
 
 MODES = ("repa", "self")
@@ -195,7 +196,8 @@ class Alignment(nn.Module):
     @torch.no_grad()
     def ema_teacher(self, ema: nn.Module, objective, y, labels, t, noise, u=None) -> torch.Tensor:
         """(B, N, D) block-T state of the EMA network at the lower noise level, every token (routes forced to ratio 0:
-        no TREAD route runs, a SPRINT route runs all tokens); the forward stops after block T (`teacher_stops_early`)."""
+        no TREAD route runs, a SPRINT route runs all tokens), MoE layers on their training path (`capacity_routing`);
+        the forward stops after block T (`teacher_stops_early`)."""
         backbone = ema.model
         capture = self._teacher_captures.get(id(backbone))
         if capture is None:
@@ -204,7 +206,9 @@ class Alignment(nn.Module):
         capture.stop_after = self.teacher_layer if self.teacher_stops_early else None
         capture.attach()
         try:
-            with backbone.router.forced(0.0):
+            # Every token, and the training path of every layer that has one (DiffMoE's capacity routing: its eval path's
+            # dynamic capacity would read each expert's load to the host, and differs from what the student runs).
+            with backbone.router.forced(0.0), capacity_routing(backbone):
                 try:
                     objective.loss(ema, y, labels, teacher_time(objective.name, t, self.teacher_gap, u), noise)
                 except EnoughCaptured:

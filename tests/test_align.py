@@ -190,6 +190,37 @@ def test_ema_teacher_gets_no_gradient_sees_every_token_and_stops_after_its_block
     torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_diffmoe_ema_teacher_runs_the_training_path_and_reads_nothing_on_the_host():
+    """DiffMoE's EMA teacher (eval mode) routes by capacity, as the model it teaches does in training: its block state
+    equals a training-mode forward of the same network on the same tokens, with no host read, and leaves the teacher's
+    thresholds as they were; its eval path (dynamic capacity from the untrained thresholds) would give another state."""
+    from host_reads import HostReads
+
+    model = tiny("diffmoe", TREAD, depth=5)
+    ema = build_objective("edm").wrap(tiny("diffmoe", TREAD, depth=5, seed=7)).eval().requires_grad_(False)
+    objective = build_objective("edm")
+    align = Alignment(model, "self", 1, width=16, teacher_layer=3, teacher="ema")
+    x, sigma, y = batch()
+    noise, u = torch.randn_like(x), torch.tensor([0.0, 0.5, 1.0])
+    buffers = {k: v.clone() for k, v in ema.named_buffers()}
+    with HostReads() as reads:
+        teacher = align.ema_teacher(ema, objective, x, y, sigma, noise, u)
+    assert not reads.reads, reads.summary()
+    assert all(torch.equal(buffers[k], v) for k, v in ema.named_buffers())
+
+    def block_3(net, training: bool) -> torch.Tensor:
+        """Block 3's state of a copy of `net` in training or eval mode, every token, at the teacher's noise level."""
+        copy = build_objective("edm").wrap(tiny("diffmoe", TREAD, depth=5)).requires_grad_(False)
+        copy.load_state_dict(net.state_dict())
+        capture = HiddenCapture(copy.model.train(training), [3])
+        with torch.no_grad(), copy.model.router.forced(0.0):
+            objective.loss(copy, x, y, teacher_time("edm", sigma, 0.2, u), noise)
+        return capture.hidden[3]
+
+    assert torch.equal(teacher, block_3(ema, training=True))
+    assert not torch.allclose(teacher, block_3(ema, training=False))
+
+
 def test_teacher_time_is_lower_and_in_range():
     t = torch.tensor([0.05, 0.5, 0.99])
     u = torch.tensor([1.0, 0.5, 0.0])

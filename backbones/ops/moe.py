@@ -17,6 +17,9 @@ took gets exactly 0 here, so the block's residual carries it unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -104,6 +107,8 @@ class MoE(nn.Module):
         # Inference controls (global_pool, eval mode); not state: a sampler sets them per run.
         self.inference_threshold: float | None = None
         self.inference_target: float | None = None
+        # Capacity routing in eval mode (capacity_routing, below): the EMA teacher of self-alignment runs the training path.
+        self.capacity_routing = False
         # Records of the last forward, for the trainer (aux losses) and for compute plots (load).
         self.aux_losses: dict[str, torch.Tensor] = {}
         self.last_mask: torch.Tensor | None = None  # (B, N, E) bool: which experts took each token
@@ -119,7 +124,7 @@ class MoE(nn.Module):
             out, mask = self._token_choice(tokens, scores)
         elif self.mode == "expert_choice":
             out, mask = self._expert_choice(tokens, scores, b, n)
-        elif self.training:
+        elif self.training or self.capacity_routing:
             out, mask = self._global_pool_train(tokens, scores)
         else:
             out, mask = self._global_pool_eval(tokens, scores)
@@ -181,9 +186,10 @@ class MoE(nn.Module):
         k = self._capacity_k(s)
         gating, index = scores.t().topk(k, dim=-1)  # (E, S) -> (E, k)
         mask = self._mask_from(index, scores)
-        logits = self.predictor(tokens.detach()).float()  # (S, E); detached: it must not steer the features
-        self.aux_losses["capacity_predictor"] = F.binary_cross_entropy_with_logits(logits, mask.float())
-        self._update_threshold(logits.detach().sigmoid(), k)
+        if self.training:  # not for a teacher under capacity_routing: its predictor and thresholds stay as they are
+            logits = self.predictor(tokens.detach()).float()  # (S, E); detached: it must not steer the features
+            self.aux_losses["capacity_predictor"] = F.binary_cross_entropy_with_logits(logits, mask.float())
+            self._update_threshold(logits.detach().sigmoid(), k)
         return self._combine_fixed(tokens, index, gating), mask
 
     def _global_pool_eval(self, tokens, scores):
@@ -239,3 +245,19 @@ class MoE(nn.Module):
         if self.inference_threshold is not None:
             return prob.new_full((e,), float(self.inference_threshold))
         return self.threshold.float()
+
+
+@contextmanager
+def capacity_routing(model: nn.Module) -> Iterator[None]:
+    """Within: every MoE layer of `model` routes as in training though in eval mode (DiffMoE's global pool: each expert
+    takes its top k = pool / E x C tokens), without the capacity predictor's loss or a threshold update. The EMA teacher
+    of self-alignment runs so inside a training step: the same computation as the model it teaches, and no host read
+    (the eval path's dynamic capacity reads each expert's token count)."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for layer in layers:
+        layer.capacity_routing = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.capacity_routing = False
