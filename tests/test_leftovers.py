@@ -71,3 +71,31 @@ def test_a_long_prompts_file_is_cut_to_the_previews_rows_in_one_line(tmp_path, m
     assert lines[0] == (f"sample.prompts: 3000 prompts; the previews show the first {n}, one row each "
                         "(python -m train.sample --prompts-file samples them all)")
     assert prompts.read_bytes() == before
+
+
+def snapshot(folder) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_captioned_folder_receives_its_cache_only_once_every_check_passed(tmp_path):
+    from tiny_pipelines import flux_pipeline, tiny_vae
+    from test_captions import overrides, write_images
+
+    flux_pipeline(tmp_path / "flux", vae=tiny_vae(latent_channels=4), in_channels=16, num_layers=2).save_pretrained(tmp_path / "pipe")
+    data = write_images(tmp_path / "data")
+    before = snapshot(data)
+    # Refused after the captions were encoded (no checkpoint to resume): the data folder is as it was.
+    refused = run_cli("train", *overrides(tmp_path / "pipe", data, tmp_path / "run"), "resume=true")
+    errors = [ln for ln in refused.stderr.replace("\r", "\n").splitlines() if ln.startswith("error:")]  # less the loaders' bars
+    assert refused.returncode == 2 and len(errors) == 1 and "holds no checkpoint" in errors[0], refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert snapshot(data) == before and not (tmp_path / "run").exists()
+    # Accepted: the cache is written into the data folder at the first writes, said in one line, and trained from.
+    ran = run_cli("train", *overrides(tmp_path / "pipe", data, tmp_path / "run"))
+    assert ran.returncode == 0, ran.stderr
+    cache = data / ".tread_cache"
+    said = [ln for ln in ran.stdout.splitlines() if ln.startswith("data.cache:")]
+    assert said == [f"data.cache: wrote {', '.join(sorted(p.name for p in cache.iterdir() if p.name != 'manifest.json'))}, "
+                    f"manifest.json into {cache}"]
+    again = run_cli("train", *overrides(tmp_path / "pipe", data, tmp_path / "run2"))  # up to date: nothing staged or said
+    assert again.returncode == 0 and "data.cache:" not in again.stdout

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,7 @@ from routing.errors import ConfigError
 from train.data.buckets import bucket_sizes, fit_to_bucket, nearest_bucket
 from train.data.captions import UNREADABLE, list_captioned
 from train.data.prompts import encode_table, read_table, write_table
+from train.files import write_atomic
 
 FORMAT = "tread-zoo-captions/1"
 MANIFEST, TEXT = "manifest.json", "text.safetensors"
@@ -92,9 +94,12 @@ def _text_encoders(pipeline: Path) -> list[Path]:
     return [pipeline / "model_index.json"] + sorted(p for p in pipeline.iterdir() if p.is_dir() and p.name.startswith(("text_encoder", "tokenizer")))
 
 
-def prepare_captions(cfg, device: str | torch.device = "cpu", log=print, items=None) -> Path:
+def prepare_captions(cfg, device: str | torch.device = "cpu", log=print, items=None, stage: Path | None = None) -> Path:
     """List data.path (unless `items`, its listing, is given), then (re)write whatever part of the cache is out of
-    date; returns the cache folder."""
+    date; returns the folder to read the cache from. Every refusal (the pipeline, the VAE, a bucket) comes before the
+    first write. With `stage` (an empty folder outside the data folder) the cache is not touched: the new or changed
+    files go to `stage` beside links to the unchanged ones, and `publish` copies them in once every check of the run
+    has passed; returns `stage`, or the cache when nothing changed."""
     d, family = cfg.data, cfg.finetune.family
     items = list_captioned(d.path) if items is None else items
     buckets = bucket_sizes(d.resolution, d.alignment, list(d.aspect_ratios))
@@ -102,27 +107,9 @@ def prepare_captions(cfg, device: str | torch.device = "cpu", log=print, items=N
     used = sorted(set(bucket_of))
     buckets, bucket_of = [buckets[b] for b in used], [used.index(b) for b in bucket_of]  # only buckets with images
     captions = sorted({item.caption for item in items})
-    out = cache_folder(d)
-    out.mkdir(parents=True, exist_ok=True)
-    old = read_json(out / MANIFEST)
-
-    # Text: the pipeline's own encoders, once for every distinct caption and the empty one.
-    pipeline = pipeline_folder(cfg)
-    text_key = _key({"family": family, "encoders": identity(_text_encoders(pipeline)), "captions": captions,
-                     "max_sequence_length": d.max_sequence_length, "dtype": cfg.finetune.dtype})
-    if old.get("text_key") != text_key or not (out / TEXT).is_file():
-        log(f"data=captions: encoding {len(captions)} distinct captions with the text encoders of {pipeline}")
-        table = encode_table(family, pipeline, captions, device=str(device), dtype=cfg.finetune.dtype,
-                             max_sequence_length=d.max_sequence_length)
-        write_table(table, out / TEXT)
-
-    # Latents: per bucket, with the VAE's posterior (or the pixels).
-    vae_dir = vae_folder(cfg)
+    pipeline, vae_dir = pipeline_folder(cfg), vae_folder(cfg)
     space = {"kind": PIXELS, "channels": d.channels, "factor": 1, "scaling_factor": 1.0, "shift_factor": 0.0}
-    vae = None
     if vae_dir is not None:
-        from diffusers import AutoencoderKL
-
         config = json.loads((vae_dir / "config.json").read_text())
         space = {"kind": "vae", "identity": identity([vae_dir]), "factor": 2 ** (len(config["block_out_channels"]) - 1),
                  "channels": config["latent_channels"], "scaling_factor": float(config.get("scaling_factor") or 1.0),
@@ -131,14 +118,33 @@ def prepare_captions(cfg, device: str | torch.device = "cpu", log=print, items=N
         if size[0] % space["factor"] or size[1] % space["factor"]:
             raise ConfigError(f"bucket {size[0]}x{size[1]} is not a multiple of the VAE's factor {space['factor']}; set data.alignment "
                               f"to a multiple of {space['factor']} (times the model's patch).")
+    cache = cache_folder(d)
+    out = stage or cache  # where new files go
+    old = read_json(cache / MANIFEST)
+    if stage is None:
+        out.mkdir(parents=True, exist_ok=True)
+
+    # Text: the pipeline's own encoders, once for every distinct caption and the empty one.
+    text_key = _key({"family": family, "encoders": identity(_text_encoders(pipeline)), "captions": captions,
+                     "max_sequence_length": d.max_sequence_length, "dtype": cfg.finetune.dtype})
+    if old.get("text_key") != text_key or not (cache / TEXT).is_file():
+        log(f"data=captions: encoding {len(captions)} distinct captions with the text encoders of {pipeline}")
+        table = encode_table(family, pipeline, captions, device=str(device), dtype=cfg.finetune.dtype,
+                             max_sequence_length=d.max_sequence_length)
+        write_table(table, out / TEXT)
+
+    # Latents: per bucket, with the VAE's posterior (or the pixels).
+    vae = None
     latent_keys = {}
     for b, size in enumerate(buckets):
         members = [i for i, bb in enumerate(bucket_of) if bb == b]
         name = f"latents-{size[0]}x{size[1]}.safetensors"
         latent_keys[name] = _key({"space": space, "size": size, "files": [(items[i].file, items[i].stamp) for i in members]})
-        if old.get("latent_keys", {}).get(name) == latent_keys[name] and (out / name).is_file():
+        if old.get("latent_keys", {}).get(name) == latent_keys[name] and (cache / name).is_file():
             continue
         if vae_dir is not None and vae is None:
+            from diffusers import AutoencoderKL
+
             vae = AutoencoderKL.from_pretrained(vae_dir, local_files_only=True).to(device).eval().requires_grad_(False)
         log(f"data=captions: encoding {len(members)} images of bucket {size[0]}x{size[1]}"
             f"{' with the VAE in ' + str(vae_dir) if vae is not None else ' (pixels)'}")
@@ -151,10 +157,30 @@ def prepare_captions(cfg, device: str | torch.device = "cpu", log=print, items=N
         "space": space, "vae": str(vae_dir.resolve()) if vae_dir is not None else None, "text_key": text_key, "latent_keys": latent_keys, "source": str(Path(str(d.path)).expanduser().resolve()),
     }
     if json.loads(json.dumps(manifest)) != old:  # written only when it changes, as the files it lists are
-        tmp = out / f".{MANIFEST}.{os.getpid()}"
-        tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-        os.replace(tmp, out / MANIFEST)
-    return out
+        write_atomic(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    return out if stage is None else staged(stage, cache, [MANIFEST, TEXT, *latent_keys])
+
+
+def staged(stage: Path, cache: Path, names: list[str]) -> Path:
+    """`stage` completed with links to the cache's files of `names` it did not rewrite; the cache itself when `stage`
+    holds no new file (nothing to publish)."""
+    if not any(stage.iterdir()):
+        return cache
+    for name in names:
+        if not (stage / name).exists() and (cache / name).is_file():
+            os.symlink((cache / name).resolve(), stage / name)
+    return stage
+
+
+def publish(stage: Path, cache: Path) -> list[str]:
+    """Copy the files `prepare_captions` or `prepare_videos` wrote into `stage` (not its links) into the cache, each
+    atomically and the manifest last, so the cache never lists a file it lacks; returns their names."""
+    new = sorted((p for p in stage.iterdir() if p.is_file() and not p.is_symlink()), key=lambda p: (p.name == MANIFEST, p.name))
+    if new:
+        cache.mkdir(parents=True, exist_ok=True)
+    for file in new:
+        write_atomic(cache / file.name, lambda tmp, file=file: shutil.copyfile(file, tmp))
+    return [p.name for p in new]
 
 
 @torch.no_grad()

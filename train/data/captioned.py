@@ -70,6 +70,10 @@ class CaptionsDataset:
     def prompt_table(self):
         return text_table(self.folder, self.family)
 
+    def read_from(self, folder: Path) -> None:
+        """Read the cache from `folder` from now on (the trainer staged new cache files, then published them there)."""
+        self.folder, self.files, self._maps = folder, [folder / path.name for path in self.files], {}
+
     def batch_indices(self, seed: int, step: int, size: int) -> torch.Tensor:
         return self.schedule.batch(seed, step, size)
 

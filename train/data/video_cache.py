@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from routing.errors import ConfigError
-from train.data.caption_cache import PIXELS, cache_folder, identity, pipeline_folder, read_json, save_atomic, vae_folder
+from train.data.caption_cache import PIXELS, cache_folder, identity, pipeline_folder, read_json, save_atomic, staged, vae_folder
 from train.data.prompts import encode_table, read_table, write_table
 from train.data.masks import BatchMasks, clip_coverage
 from train.data.videos import Clip, clip_array, has_mask, sample_masks
+from train.files import write_atomic
 
 FORMAT = "tread-zoo-videos/1"
 MANIFEST, TEXT, LATENTS = "manifest.json", "text.safetensors", "videos.safetensors"
@@ -36,24 +36,14 @@ def _key(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
-def prepare_videos(cfg, clips: list[Clip], device="cpu", log=print) -> Path:
-    """(Re)write whatever part of the cache of data.path is out of date; returns the cache folder."""
+def prepare_videos(cfg, clips: list[Clip], device="cpu", log=print, stage: Path | None = None) -> Path:
+    """(Re)write whatever part of the cache of data.path is out of date; returns the folder to read the cache from.
+    Every refusal comes before the first write; `stage` as in caption_cache.prepare_captions (nothing written to the
+    cache until `publish`)."""
     d = cfg.data
-    root, out = Path(str(d.path)).expanduser(), cache_folder(d)
-    out.mkdir(parents=True, exist_ok=True)
-    old = read_json(out / MANIFEST)
+    root, cache = Path(str(d.path)).expanduser(), cache_folder(d)
     captions = sorted({clip.caption for clip in clips})
-
-    pipeline = pipeline_folder(cfg)
-    encoders = [pipeline / "model_index.json"] + sorted(p for p in pipeline.iterdir() if p.is_dir() and p.name.startswith(("text_encoder", "tokenizer")))
-    text_key = _key({"encoders": identity(encoders), "captions": captions, "max_sequence_length": d.max_sequence_length,
-                     "dtype": cfg.finetune.dtype})
-    if old.get("text_key") != text_key or not (out / TEXT).is_file():
-        log(f"data=videos: encoding {len(captions)} distinct captions with the text encoder of {pipeline}")
-        write_table(encode_table("wan", pipeline, captions, device=str(device), dtype=cfg.finetune.dtype,
-                                 max_sequence_length=d.max_sequence_length), out / TEXT)
-
-    vae_dir = vae_folder(cfg)
+    pipeline, vae_dir = pipeline_folder(cfg), vae_folder(cfg)
     if vae_dir is None:
         space = {"kind": PIXELS, "channels": 3, "temporal": 1, "spatial": 1, "mean": [0.0] * 3, "std": [1.0] * 3}
     else:
@@ -63,9 +53,22 @@ def prepare_videos(cfg, clips: list[Clip], device="cpu", log=print) -> Path:
         temporal, spatial, channels = vae_factors(cfg)
         space = {"kind": "vae", "identity": identity([vae_dir]), "channels": channels, "temporal": temporal, "spatial": spatial,
                  "mean": list(config.get("latents_mean") or [0.0] * channels), "std": list(config.get("latents_std") or [1.0] * channels)}
+    out = stage or cache  # where new files go
+    old = read_json(cache / MANIFEST)
+    if stage is None:
+        out.mkdir(parents=True, exist_ok=True)
+
+    encoders = [pipeline / "model_index.json"] + sorted(p for p in pipeline.iterdir() if p.is_dir() and p.name.startswith(("text_encoder", "tokenizer")))
+    text_key = _key({"encoders": identity(encoders), "captions": captions, "max_sequence_length": d.max_sequence_length,
+                     "dtype": cfg.finetune.dtype})
+    if old.get("text_key") != text_key or not (cache / TEXT).is_file():
+        log(f"data=videos: encoding {len(captions)} distinct captions with the text encoder of {pipeline}")
+        write_table(encode_table("wan", pipeline, captions, device=str(device), dtype=cfg.finetune.dtype,
+                                 max_sequence_length=d.max_sequence_length), out / TEXT)
+
     sample = {"frames": d.frames, "stride": d.stride, "width": d.width, "height": d.height}
     latent_key = _key({"space": space, "sample": sample, "clips": [(c.file, c.stamp) for c in clips]})
-    if old.get("latent_key") != latent_key or not (out / LATENTS).is_file():
+    if old.get("latent_key") != latent_key or not (cache / LATENTS).is_file():
         log(f"data=videos: encoding {len(clips)} clips of {d.frames} frames at {d.width}x{d.height}"
             f"{' with the VAE in ' + str(vae_dir) if vae_dir is not None else ' (pixels)'}")
         mean, std = _encode(root, clips, sample, vae_dir, device)
@@ -76,10 +79,8 @@ def prepare_videos(cfg, clips: list[Clip], device="cpu", log=print) -> Path:
                 "vae": str(vae_dir.resolve()) if vae_dir is not None else None, "text_key": text_key, "latent_key": latent_key,
                 "source": str(root.resolve())}
     if json.loads(json.dumps(manifest)) != old:  # written only when it changes, as the files it lists are
-        tmp = out / f".{MANIFEST}.{os.getpid()}"
-        tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-        os.replace(tmp, out / MANIFEST)
-    return out
+        write_atomic(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    return out if stage is None else staged(stage, cache, [MANIFEST, TEXT, LATENTS])
 
 
 @torch.no_grad()
@@ -169,6 +170,10 @@ class VideosDataset:
 
     def prompt_table(self):
         return read_table(self.folder / TEXT, self.family)
+
+    def read_from(self, folder: Path) -> None:
+        """Read the cache from `folder` from now on (its latents are in memory; the prompt table is read from there)."""
+        self.folder = folder
 
     def get(self, indices: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         indices = indices.cpu()

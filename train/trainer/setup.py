@@ -6,10 +6,14 @@ but writes nothing; `_commit` writes once everything has passed.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import shutil
+import tempfile
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 from contextlib import contextmanager
 
 import torch
@@ -100,13 +104,14 @@ class SetUp:
         checkpoint to resume and the metrics log."""
         cfg, t = self.cfg, self.cfg.trainer
         self._move_aside = not cfg.resume and refuse_used(self.run_dir, bool(cfg.get("overwrite")))
+        self._stage = None  # new cache files of a captioned or video folder, until `_commit` publishes them
         if cfg.data.name == "captions":
             # A captioned folder's refusals (a missing caption, an unreadable image) first; then its cache, which the
-            # dataset reads, is brought up to date (beside the data, not in the run folder).
+            # dataset reads, is brought up to date (beside the data, not in the run folder), staged until `_commit`.
             self._prepare_captions(self._list_captions())
         if cfg.data.name == "videos":
             self._prepare_videos(self._list_clips())  # likewise a video folder's
-        self.dataset = build_dataset(cfg.data, cfg.edm.sigma_data)
+        self.dataset = build_dataset(self._staged_data(), cfg.edm.sigma_data)
         if len(self.dataset) == 0:
             raise ConfigError(f"data.name='{cfg.data.name}' has no samples; check data.path.")
         set_seed(cfg.seed)  # identical initial weights on every process and every run with this seed
@@ -181,6 +186,7 @@ class SetUp:
                 self.acc.print(f"overwrite=true: moved the previous run in {self.run_dir} to {move_aside(self.run_dir)}")
             if record is not None:
                 record.write(self.run_dir)
+            self._publish_stage()
         self.acc.wait_for_everyone()
         self.logger = MetricsLogger(self.run_dir, self.acc.is_main_process, resume_step=self.step, records=self._metrics,
                                     trackers=self._start_trackers())
@@ -191,12 +197,51 @@ class SetUp:
         return check_captions(self.cfg)
 
     def _prepare_captions(self, items: list) -> None:
-        """Encode a captioned folder's new or changed captions and images into its cache (main process), once per run."""
+        """Encode a captioned folder's new or changed captions and images (main process), once per run: into a staging
+        folder that `_commit` publishes into the cache (one process; several write the cache in place, as the others read it)."""
         from train.data.caption_cache import prepare_captions
 
         if self.acc.is_main_process:
-            prepare_captions(self.cfg, device=self.acc.device, log=self.acc.print, items=items)
+            self._stage_cache(prepare_captions(self.cfg, device=self.acc.device, log=self.acc.print, items=items,
+                                               stage=self._new_stage()))
         self.acc.wait_for_everyone()
+
+    def _new_stage(self) -> Path | None:
+        """An empty folder outside the data folder for the cache files a run writes, or None under several processes."""
+        if self.acc.num_processes > 1:
+            return None
+        self._stage = Path(tempfile.mkdtemp(prefix="tread_cache-"))
+        weakref.finalize(self, shutil.rmtree, self._stage, True)
+        return self._stage
+
+    def _stage_cache(self, folder: Path) -> None:
+        if folder != self._stage:  # nothing new: the cache as it is
+            self._remove_stage()
+
+    def _staged_data(self) -> DictConfig:
+        """cfg.data, reading the cache from the staging folder while its new files wait there."""
+        if self._stage is None:
+            return self.cfg.data
+        data = copy.deepcopy(self.cfg.data)
+        data.cache = str(self._stage)
+        return data
+
+    def _publish_stage(self) -> None:
+        """Copy the staged cache files into the cache (every check has passed); the dataset reads them there from now on."""
+        if self._stage is None:
+            return
+        from train.data.caption_cache import cache_folder, publish
+
+        cache = cache_folder(self.cfg.data)
+        names = publish(self._stage, cache)
+        self.dataset.read_from(cache)
+        self._remove_stage()
+        print(f"data.cache: wrote {', '.join(names)} into {cache}")
+
+    def _remove_stage(self) -> None:
+        if getattr(self, "_stage", None) is not None:
+            shutil.rmtree(self._stage, ignore_errors=True)
+            self._stage = None
 
     def _list_clips(self) -> list:
         from train.data.videos import check_videos
@@ -208,10 +253,11 @@ class SetUp:
         from train.data.video_cache import prepare_videos
 
         if self.acc.is_main_process:
-            prepare_videos(self.cfg, clips, device=self.acc.device, log=self.acc.print)
+            self._stage_cache(prepare_videos(self.cfg, clips, device=self.acc.device, log=self.acc.print, stage=self._new_stage()))
         self.acc.wait_for_everyone()
 
     def _release_run_dir(self) -> None:
+        self._remove_stage()  # a refused run's staged cache files: the cache was never touched
         if self._claim is not None:
             self._claim.release()
 
