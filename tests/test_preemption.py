@@ -97,3 +97,25 @@ def test_a_signal_at_a_checkpoint_step_saves_it_once(tmp_path, monkeypatch):
     with pytest.raises(Preempted, match=r"^SIGUSR1 at step 3: saved checkpoint .*step_0000003.*\(exit code 138\)\.$"):
         trainer.fit()
     assert saves == [3]
+
+
+@pytest.mark.slow
+def test_two_processes_agree_on_the_step_they_save(tmp_path):
+    """Under accelerate launch (gloo on CPU) SIGTERM reaches the launcher, which passes it to both processes at their
+    own moments; they compare flags at the next reading step and save that same step once."""
+    run = tmp_path / "two"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+              "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29563",
+              "-m", "train", *COMMON, "trainer.max_steps=100000", f"run_dir={run}"]
+    proc = subprocess.Popen(launch, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    metrics, deadline = run / "metrics.jsonl", time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    saved = [ln for ln in err.replace("\r", "\n").splitlines() if ln.startswith("SIGTERM at step ")]
+    assert len(saved) == 1, err[-3000:]  # rank 0's line only
+    step = read_state(checkpoint.latest_checkpoint(run / "checkpoints")).step
+    assert step % 3 == 0 and f"SIGTERM at step {step}: saved checkpoint" in saved[0]  # a reading step (log_every=3)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", f"step_{step:07d}"]
