@@ -169,3 +169,16 @@ def test_overwrite_moves_aside_a_run_whose_log_is_damaged(tmp_path):
     Trainer(cfg(run, "overwrite=true"))
     (old,) = tmp_path.glob("run.old-*")
     assert (old / "metrics.jsonl").read_text() == '{"step": 1}\ngarbage\n' and not (run / "metrics.jsonl").exists()
+
+
+def test_an_alignment_projector_cut_in_half_is_named_and_the_run_left_as_it_was(tmp_path, capsys):
+    """align.safetensors goes through the typed loader as the weights beside it do: one sentence naming it, exit 2."""
+    run = tmp_path / "run"
+    Trainer(cfg(run, "align=self", "align.projector_width=16", "trainer.ckpt_every=2", "trainer.log_with=none")).fit()
+    projector = run / "checkpoints" / "step_0000002" / "align.safetensors"
+    projector.write_bytes(projector.read_bytes()[: projector.stat().st_size // 2])
+    before = {str(p): p.read_bytes() if p.is_file() else None for p in run.rglob("*")}
+    code, message = stopped(lambda: Trainer(cfg(run, "align=self", "align.projector_width=16", "trainer.max_steps=3",
+                                                "trainer.log_with=none", "resume=auto")), capsys)
+    assert code == 2 and message.startswith(f"error: '{projector}' is cut short or damaged") and "older step_*" in message
+    assert {str(p): p.read_bytes() if p.is_file() else None for p in run.rglob("*")} == before

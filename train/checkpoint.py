@@ -23,14 +23,14 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from backbones.adapters import load_lora_state_dict, lora_state_dict, model_config, save_lora
 from routing import ConfigError
 from train.build import build_net, finetune_family, objective_for, pretrained_of
 from train.data import build_dataset
 from train.distributed import copy_into_shards, is_sharded
-from train.files import as_os_error, read_checkpoint_config, read_latest, read_state, write_atomic
+from train.files import as_os_error, read_checkpoint_config, read_latest, read_state, read_tensors, write_atomic
 from train.schema import resolved_backbone
 
 # Sections that fix the shape of the network; changing them makes a checkpoint unloadable.
@@ -254,15 +254,18 @@ def load_checkpoint(path: Path, cfg: DictConfig | None = None) -> dict:
                 changes = "; ".join(f"{key}.{k}: {theirs.get(k)!r} -> {mine.get(k)!r}" for k in diff)  # trained -> now
                 raise ConfigError(f"checkpoint '{path}' was trained with a different {key} config (differs in {changes}); resume "
                                   f"with the same {key} settings or use a new run_dir.")
+    # Each safetensors file through the typed loader: one cut short or emptied is named, with the way out.
+    older = "resume from an older step_* folder"
+    model, ema = read_tensors(path / "model.safetensors", older), read_tensors(path / "ema.safetensors", older)
+    align = read_tensors(path / "align.safetensors", older) if (path / "align.safetensors").is_file() else None  # align=repa|self
     try:
-        model, ema = load_file(path / "model.safetensors"), load_file(path / "ema.safetensors")
         extra = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
-        if (path / "align.safetensors").is_file():  # the alignment projector (align=repa|self)
-            extra["align"] = load_file(path / "align.safetensors")
-    except Exception as err:  # safetensors and pickle raise many types for a damaged file
+    except Exception as err:  # pickle raises many types for a damaged file
         first = str(err).strip().splitlines()[0] if str(err).strip() else "damaged"
         raise ConfigError(f"checkpoint '{path}' is unreadable ({type(err).__name__}: {first.rstrip('.')}); resume from an older "
                           "step_* folder.") from None
+    if align is not None:
+        extra["align"] = align
     for name, digest in state.sha256.items():
         if _sha256(path / name) != digest:
             raise ConfigError(f"checkpoint '{path}' is corrupted ({name} does not match the checksum written with it); "
