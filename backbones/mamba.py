@@ -12,7 +12,8 @@ and for the reversed sequence, each with its own weights: depthwise causal conv 
 selective scan; the reversed direction's output is flipped back, the two are summed, gated by silu(z) and
 projected out. Scan orders may change per layer (row-major, column-major and their reverses on the (h, w)
 grid, DiM / ZigMa style); tokens are permuted into the order before the mixer and back after it.
-`ssm="mamba2"` swaps the S6 scan for Mamba-2's scalar-decay-per-head scan (SSD) in the same mixer.
+`ssm="mamba2"` swaps the S6 scan for Mamba-2's scalar-decay-per-head scan (SSD) in the same mixer; on CUDA it runs
+flash-linear-attention's chunk_simple_gla when fla-core is installed (backbones/ops/ssd_fla.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch import nn
 
 from backbones.common import AdaLNZero, modulate
 from backbones.ops.cuda_kernels import conv_fn, scan_fn
-from backbones.ops.ssd import ssd_scan
+from backbones.ops.ssd_fla import ssd_fn
 
 # Widths and depths of DiT's S / B / L; Mamba's parameter counts differ (docs/mamba.md lists them).
 PRESETS = {
@@ -125,7 +126,7 @@ class _Direction(nn.Module):
         b, e, l = x.shape
         heads_x = x.transpose(1, 2).reshape(b, l, -1, self.headdim)  # (B, E, L) -> (B, L, H, P)
         dt = F.softplus(dt.float() + self.dt_bias.float())  # (B, L, H)
-        y = ssd_scan(heads_x, dt, A, B[:, :, None], C[:, :, None], self.D.float())  # B, C: (B, L, N) -> (B, L, 1, N)
+        y = ssd_fn(heads_x, dt, A, B[:, :, None], C[:, :, None], self.D.float())  # B, C: (B, L, N) -> (B, L, 1, N)
         return y.reshape(b, l, e).transpose(1, 2)  # (B, L, H, P) -> (B, E, L)
 
 
