@@ -33,6 +33,12 @@ def test_dry_run_writes_every_section(tmp_path, capsys):
     assert env["torch"] == torch.__version__ and env["triton"] and "device" in env and "commit" in env
     kernels = {(r["kernel"], r["precision"]) for s in saved["sections"] if s["name"] == "kernels" for r in s["records"]}
     assert kernels == {("selective scan (Triton)", p) for p in ("fp32", "bf16", "fp32, decay -1e5")} | {("Bi-WKV (Triton)", p) for p in ("fp32", "bf16")}
+    # DiT's attention meets flash attention's conditions at every routed shape (tiny: 16 tokens, 8 with TREAD, 4 with SPRINT).
+    shapes = {r["recipe"]: r["shapes"] for s in saved["sections"] if s["name"] == "attention" for r in s["records"]}
+    assert shapes == {"none": ["16 tokens x head dim 32 bfloat16"],
+                      "random": ["16 tokens x head dim 32 bfloat16", "8 tokens x head dim 32 bfloat16"],
+                      "sprint": ["16 tokens x head dim 32 bfloat16", "4 tokens x head dim 32 bfloat16"]}
+    assert "## DiT's attention on the flash kernel" in md
     families = {(r["family"], r["precision"]) for s in saved["sections"] if s["name"] == "families" for r in s["records"]}
     assert families == {(f, p) for f in ("dit", "rwkv", "mamba", "diffmoe") for p in ("fp32", "bf16")}
     # Every kernel row names the config each autotuned kernel it ran picked (the interpreter has one config each).
@@ -407,3 +413,33 @@ def test_profile_adds_each_steps_launches_to_its_row(tmp_path):
         assert prof["top"] and prof["launches"] > 0 and sum(prof["shares"].values()) == pytest.approx(1.0)
     md = (tmp_path / "out" / "report.md").read_text()
     assert "dit-S, one routed step (torch.profiler): " in md and "dit-S, one unrouted step (torch.profiler): " in md
+
+
+def test_what_keeps_an_attention_call_off_the_flash_kernel():
+    q = torch.randn(2, 4, 16, 72, dtype=torch.bfloat16)
+    assert gpu_checks.flash_blockers(q, q, q) == []
+    # The fp32 block after a route (routing.fp32_after_route, the official forward's): no flash kernel for fp32.
+    assert gpu_checks.flash_blockers(q.float(), q.float(), q.float()) == [
+        "dtypes torch.float32, torch.float32, torch.float32 (flash takes one of fp16, bf16)"]
+    odd = torch.randn(2, 4, 16, 36, dtype=torch.bfloat16)
+    assert gpu_checks.flash_blockers(odd, odd, odd) == ["head dim 36 (flash takes multiples of 8 up to 256)"]
+    strided = torch.randn(2, 4, 72, 16, dtype=torch.bfloat16).transpose(-1, -2)
+    assert gpu_checks.flash_blockers(strided, q, q, torch.ones(16, 16, dtype=torch.bool)) == [
+        "an attention mask", "a last dimension that is not contiguous"]
+
+
+def test_the_attention_check_sees_the_fp32_block_after_a_route(monkeypatch):
+    from train.bench import routing
+
+    pair = routing.routed_pair
+
+    def fp32_after_route(*args, **kwargs):
+        net, router = pair(*args, **kwargs)
+        router.fp32_after_route = True
+        return net, router
+
+    monkeypatch.setattr(routing, "routed_pair", fp32_after_route)
+    none, tread, _ = gpu_checks.attention_checks(torch.device("cpu"), "tiny", 8, 2)
+    assert none["passed"] and not tread["passed"]
+    assert tread["blockers"] == ["16 tokens x head dim 32 float32: dtypes torch.float32, torch.float32, torch.float32 "
+                                 "(flash takes one of fp16, bf16)"]

@@ -77,6 +77,13 @@ def family_checks(s: Settings) -> dict:
     return out
 
 
+def attention_checks(s: Settings) -> dict:
+    """DiT-XL/2's attention on SDPA's flash path at every shape its routes make (head dim 72), eager, batch 4."""
+    from train.bench.gpu_checks import attention_checks as checks
+
+    return _checked(PROGRESS.collect(checks(_device(s), s.preset("XL"), s.size, s.batch(4))))
+
+
 def kernel_speed(s: Settings, precision: str = "bf16") -> dict:
     """The kernels in bf16 (their goals) with the scan's 64-step chunks beside it; or in fp32 (opt-in, no goal)."""
     from train.bench.gpu_speed import kernel_rows
@@ -154,6 +161,9 @@ def sections(s: Settings) -> list[Section]:
     return [
         Section("kernels", "Triton kernels against their references", "kernel_checks", 90, partial(kernel_checks, s)),
         Section("families", "every family on the device against the CPU", "family_checks", 15, partial(family_checks, s)),
+        # Not run on a GPU yet: three eager DiT-XL/2 builds and steps at batch 4, guessed.
+        Section("attention", "DiT-XL/2's attention on the flash kernel at every routed shape", "attention_checks", 20,
+                partial(attention_checks, s)),
         # With --tread the side-by-side measures our DiT-XL/2 TREAD step too (the same mode, the same route), so it
         # decides that row's goals and dit-XL-tread leaves the default set.
         *(official_row or xl_tread),
@@ -174,7 +184,7 @@ def sections(s: Settings) -> list[Section]:
     ]
 
 
-SECTION_NAMES = ("kernels", "families", "dit-XL-tread", "dit-XL-sprint", "dit-B-tread", "trainer", "kernel-speed", "dit-S",
+SECTION_NAMES = ("kernels", "families", "attention", "dit-XL-tread", "dit-XL-sprint", "dit-B-tread", "trainer", "kernel-speed", "dit-S",
                  "mamba-S", "rwkv-S", "dit-B-sprint", "kernel-speed-fp32")
 OPTIONAL_SECTIONS = ("dit-XL-official",)  # only with --tread
 OPT_IN = ("dit-B-sprint", "kernel-speed-fp32")  # run only when --sections names them

@@ -231,3 +231,73 @@ def _family_check(family: str, device: torch.device, preset: str, size: int, bat
                        "tolerance": [tol_out, tol_grad], "missing_grads": missing,
                        "passed": out_error <= tol_out and grads_ok and not missing})
     return checks
+
+
+# CUDA's flash attention takes fp16/bf16 q, k, v of one dtype, a head dim that is a multiple of 8 up to 256, no
+# attention mask, and a last dimension of stride 1 (torch's sdp_utils checks for it); anything else falls to the
+# memory-efficient or the math kernel. The fp32 block after a route (routing.fp32_after_route, the official DiT's
+# forward) is such a case: fp32 has no flash kernel.
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def flash_blockers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None) -> list[str]:
+    """Why CUDA's flash attention could not take this scaled_dot_product_attention call ([] when it can)."""
+    why = []
+    if q.dim() != 4:
+        why.append(f"{q.dim()}-D inputs (flash takes (B, heads, tokens, head dim))")
+    if q.dtype not in FLASH_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        why.append(f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (flash takes one of fp16, bf16)")
+    if q.shape[-1] % 8 or q.shape[-1] > 256:
+        why.append(f"head dim {q.shape[-1]} (flash takes multiples of 8 up to 256)")
+    if attn_mask is not None:
+        why.append("an attention mask")
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        why.append("a last dimension that is not contiguous")
+    return why
+
+
+class _SDPACalls(torch.overrides.TorchFunctionMode):
+    """Records every F.scaled_dot_product_attention call: its tokens, head dim, dtype and flash blockers."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[dict] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            q, k, v = args[:3]
+            self.calls.append({"shape": f"{q.shape[-2]} tokens x head dim {q.shape[-1]} {str(q.dtype).removeprefix('torch.')}",
+                               "blockers": flash_blockers(q, k, v, kwargs.get("attn_mask", args[3] if len(args) > 3 else None))})
+        return func(*args, **kwargs)
+
+
+def attention_checks(device: torch.device, preset: str, size: int, batch: int) -> Iterator[dict]:
+    """DiT's attention at every shape its routes make (unrouted, TREAD's random route, SPRINT's), one training
+    forward and backward each under bf16 autocast: every SDPA call must meet flash attention's conditions. On CUDA
+    SDPA is also restricted to the flash kernel (torch.nn.attention.sdpa_kernel), so torch itself refuses a call
+    flash cannot take; on a CPU only the conditions are checked (its own flash kernel takes more)."""
+    for recipe in ("none", "random", "sprint"):
+        base = {"check": "flash attention", "recipe": recipe, "shape": f"DiT-{preset}/2 {size}x{size} batch {batch}"}
+        yield guarded(base, lambda: _attention_check(base, device, preset, size, batch))
+
+
+def _attention_check(base: dict, device: torch.device, preset: str, size: int, batch: int) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from train.bench.routing import routed_pair
+
+    torch.manual_seed(0)
+    net, router = routed_pair("dit", preset, "random" if base["recipe"] == "none" else base["recipe"], size, 4, 2, 10, device)
+    if base["recipe"] != "none":
+        net.model.router = router
+    g = torch.Generator().manual_seed(0)
+    x, sigma = torch.randn(batch, 4, size, size, generator=g).to(device), torch.rand(batch, generator=g).to(device) + 0.5
+    labels = torch.randint(0, 10, (batch,), generator=g).to(device)
+    only_flash = sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if device.type == "cuda" else contextlib.nullcontext()
+    with _SDPACalls() as calls, only_flash, torch.autocast(device.type, dtype=torch.bfloat16):
+        net(x, sigma, labels).float().square().mean().backward()
+    shapes = sorted({c["shape"] for c in calls.calls})
+    blockers = sorted({f"{c['shape']}: {b}" for c in calls.calls for b in c["blockers"]})
+    return {**base, "calls": len(calls.calls), "shapes": shapes, "blockers": blockers, "torch_flash_only": device.type == "cuda",
+            "passed": bool(calls.calls) and not blockers}

@@ -204,6 +204,10 @@ TABLES = {
                         f"{r['batch']} | {_mode(r)} | {_ranged(r, 'ms_unrouted', '.1f')} | {_ranged(r, 'ms_routed', '.1f')} | {r['ideal']:.2f}x | "
                         f"{r['measured']:.2f}x | {_ranged(r, 'efficiency', '.2f')} | {_ranged(r, 'mfu_unrouted', '.1%')} | "
                         f"{_ranged(r, 'mfu_routed', '.1%')} | {_f(r.get('first_s'), '.0f')} ({_f(r['graphs'], 'd')}) |"),
+    "attention_checks": ("| check | recipe | shape | SDPA calls | shapes | flash only (torch) | what keeps flash out | result |",
+                         lambda r: f"| {r['check']} | {r['recipe']} | {r['shape']} | {r['calls']} | {'; '.join(r['shapes'])} | "
+                                   f"{'yes' if r['torch_flash_only'] else 'no (CPU)'} | {'; '.join(r['blockers']) or '-'} | "
+                                   f"{_verdict(r['passed'])} |"),
     "kernel_speed": ("| kernel | precision | shape | Triton fwd ms | Triton fwd+bwd ms | first call s | PyTorch op fwd+bwd ms | speedup | "
                      "ideal MB fwd+bwd | achieved GB/s | of peak | roofline ms | goal | tuned configs (best of all, ms) |",
                      lambda r: f"| {r['kernel']} | {r['precision']} | {r['shape']} | {_ranged(r, 'ms_fwd', '.3f')} | "
@@ -229,6 +233,7 @@ TABLES = {
 
 
 HEADINGS = {"kernel_checks": "Kernels against their references", "family_checks": "Families on the device against the CPU",
+            "attention_checks": "DiT's attention on the flash kernel",
             "kernel_speed": "Kernels at their reference shapes", "steps": "Training steps (train.bench.routing)",
             "official": "Side by side with CompVis/tread's DiT (train.bench.official)",
             "trainer": "python -m train against the bare step"}
@@ -239,6 +244,10 @@ READING = {
     "family_checks": "Each family, unrouted, with its zero-initialised layers redrawn, on the device against the CPU in fp32 on "
                      "the same weights; fp32 is checked tensor by tensor, bf16 autocast on the whole gradient vector "
                      "(train/bench/gpu_checks.py FAMILY_TOLERANCE).",
+    "attention_checks": "One training forward and backward of DiT under bf16 autocast per recipe; every "
+                        "scaled_dot_product_attention call must meet flash attention's conditions (fp16/bf16, head dim a multiple of 8 "
+                        "up to 256, no mask, contiguous last dim); on CUDA SDPA is restricted to the flash kernel, so torch itself "
+                        "refuses a call it cannot take (train/bench/gpu_checks.py attention_checks).",
     "kernel_speed": "Median of interleaved calls in each round; the median over the rounds and their range. The first call "
                     "holds Triton's compile and autotuning. Ideal bytes: every tensor read or written once, the roofline's lower bound; "
                     "achieved GB/s and the fraction of the card's peak are of those bytes over the forward+backward time.",
