@@ -17,7 +17,7 @@ import torch
 
 from routing.errors import FileError
 
-__all__ = ["damaged", "read_json", "read_tensors", "read_text", "tensor_shapes"]
+__all__ = ["damaged", "read_json", "read_tensors", "read_text", "safetensors_metadata", "tensor_shapes"]
 
 
 def damaged(path: str | os.PathLike, problem: str, fix: str) -> FileError:
@@ -93,3 +93,9 @@ def tensor_shapes(path: str | os.PathLike, fix: str) -> dict[str, tuple[int, ...
     the file covers every tensor the header lists, so a file cut short is refused without reading its data)."""
     path = Path(path).expanduser()
     return _open_safetensors(path, fix, lambda f: {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+
+
+def safetensors_metadata(path: str | os.PathLike, fix: str) -> dict[str, str]:
+    """The string metadata of the safetensors file `path` ({} when it has none), after the same checks as tensor_shapes."""
+    path = Path(path).expanduser()
+    return _open_safetensors(path, fix, lambda f: f.metadata() or {})

@@ -182,3 +182,30 @@ def test_an_alignment_projector_cut_in_half_is_named_and_the_run_left_as_it_was(
                                                 "trainer.log_with=none", "resume=auto")), capsys)
     assert code == 2 and message.startswith(f"error: '{projector}' is cut short or damaged") and "older step_*" in message
     assert {str(p): p.read_bytes() if p.is_file() else None for p in run.rglob("*")} == before
+
+
+@pytest.mark.parametrize("damage", ["half", "no_info"])
+def test_a_damaged_cached_classifier_is_named_not_a_traceback(damage, tmp_path):
+    """The benchmark's scoring classifier is a cache: a file cut short, or one without what it was trained on, is one
+    sentence saying to delete it (it is then trained again); the file is left for the user to look at."""
+    from safetensors.torch import save_file
+
+    from routing import FileError
+    from train.metrics.classifier import cache_path, load_or_train
+
+    class Digits:
+        name, shape, num_classes = "digits", (1, 16, 16), 10
+
+        def __len__(self):
+            return 100
+
+    path = cache_path(tmp_path, Digits())
+    save_file({"w": torch.zeros(64, 64)}, path, metadata=None if damage == "no_info" else {"info": "{}"})
+    if damage == "half":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    before = path.read_bytes()
+    with pytest.raises(FileError) as err:
+        load_or_train(Digits(), None, tmp_path)
+    said = "is cut short or damaged" if damage == "half" else "has no readable 'info' metadata"
+    assert str(err.value).startswith(f"'{path}' {said}") and str(err.value).endswith("delete it, and the classifier is trained again.")
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [path.name]

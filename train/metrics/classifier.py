@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
+from train.files import damaged, read_tensors, safetensors_metadata
 from train.metrics.frechet import feature_statistics, frechet_distance
 
 
@@ -119,6 +119,21 @@ def cache_path(cache_dir: str | Path, dataset) -> Path:
     return Path(os.path.expanduser(str(cache_dir))) / f"classifier-{dataset.name}-{dataset.shape[-1]}px.safetensors"
 
 
+RETRAIN = "delete it, and the classifier is trained again"
+
+
+def _cached_info(path: Path) -> dict:
+    """What a cached classifier was trained on (its `info` metadata); a damaged cache file is refused, naming it."""
+    info = safetensors_metadata(path, RETRAIN).get("info")
+    try:
+        meta = json.loads(info) if info is not None else None
+    except json.JSONDecodeError:
+        meta = None
+    if not isinstance(meta, dict) or not isinstance(meta.get("config"), (dict, type(None))):
+        raise damaged(path, "has no readable 'info' metadata (what the classifier was trained on)", RETRAIN)
+    return meta
+
+
 def load_or_train(dataset, cfg: ClassifierConfig | None, cache_dir: str | Path, test=None) -> tuple[SmallCNN, dict]:
     """The cached classifier for `dataset` (accuracy measured on `test` when given), trained (and cached
     atomically) when missing or trained differently.
@@ -132,14 +147,13 @@ def load_or_train(dataset, cfg: ClassifierConfig | None, cache_dir: str | Path, 
               "size": len(dataset), "num_classes": dataset.num_classes,
               "accuracy_on": "holdout" if test is None else f"{test.name} ({len(test)} images)"}
     if path.exists():
-        with safe_open(str(path), "pt") as f:
-            meta = json.loads(f.metadata()["info"])
+        meta = _cached_info(path)
         if cfg is None:
             wanted["config"] = meta.get("config")
         if {k: meta.get(k) for k in wanted} == wanted:
             saved = ClassifierConfig(**meta["config"])
             model = SmallCNN(dataset.shape[0], dataset.num_classes, saved.width, saved.feature_dim)
-            model.load_state_dict(load_file(str(path)))
+            model.load_state_dict(read_tensors(path, RETRAIN))
             return model.eval(), meta
     cfg = cfg if cfg is not None else ClassifierConfig()
     wanted["config"] = asdict(cfg)
