@@ -16,6 +16,7 @@ import train.logger as logger
 from train.cli import RunStopped, friendly_errors
 from train.trainer import Trainer
 from conftest import FAST, compose_cfg
+from test_captions import overrides, pipeline, write_images  # noqa: F401  (pipeline: a tiny Flux pipeline, a fixture)
 
 TINY = ["backbone.depth=2", "backbone.hidden_size=32"]
 
@@ -209,3 +210,22 @@ def test_a_damaged_cached_classifier_is_named_not_a_traceback(damage, tmp_path):
     said = "is cut short or damaged" if damage == "half" else "has no readable 'info' metadata"
     assert str(err.value).startswith(f"'{path}' {said}") and str(err.value).endswith("delete it, and the classifier is trained again.")
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+def test_a_caption_cache_file_cut_short_is_named_when_the_dataset_opens(pipeline, tmp_path):
+    """The per-bucket latents of data=captions are memory-mapped batch by batch; one cut short is refused when the dataset
+    opens (one sentence naming it and how to rewrite it), not at the first batch that reaches its end."""
+    from routing import FileError
+    from train.data.caption_cache import prepare_captions
+    from train.data.captioned import CaptionsDataset
+
+    data = write_images(tmp_path / "data")
+    cfg = compose_cfg(*overrides(pipeline, data, tmp_path / "run"))
+    folder = prepare_captions(cfg, log=lambda _: None)
+    latents = sorted(folder.glob("latents-*.safetensors"))[0]
+    latents.write_bytes(latents.read_bytes()[: latents.stat().st_size // 2])
+    before = {str(p): p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    with pytest.raises(FileError) as err:
+        CaptionsDataset(cfg.data)
+    assert str(err.value).startswith(f"'{latents}' is cut short or damaged") and "rewrites the cache" in str(err.value)
+    assert "\n" not in str(err.value) and {str(p): p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before

@@ -21,8 +21,12 @@ from train.data.buckets import BucketSchedule
 from train.data.caption_cache import PIXELS, read_manifest, text_table
 from train.data.latents import _memmap_shard
 from train.data.masks import BatchMasks, fit_coverage, mask_file, pool, read_mask
+from train.files import tensor_shapes
 
 PREVIEW_CAPTIONS = 4
+
+
+REWRITE = "delete it and run the training command again, which rewrites the cache"
 
 
 class CaptionsDataset:
@@ -47,6 +51,7 @@ class CaptionsDataset:
             path = self.folder / f"latents-{w}x{h}.safetensors"
             if not path.is_file():
                 raise ConfigError(f"the caption cache '{self.folder}' lacks {path.name}; run the training command again to rewrite it.")
+            tensor_shapes(path, REWRITE)  # a file cut short is named here, not at the first batch that reads it
             self.files.append(path)
         # Previews and FID use the most populated bucket's shape.
         self.shape = self.bucket_shapes[max(range(len(counts)), key=counts.__getitem__)]
