@@ -229,3 +229,20 @@ def test_a_caption_cache_file_cut_short_is_named_when_the_dataset_opens(pipeline
         CaptionsDataset(cfg.data)
     assert str(err.value).startswith(f"'{latents}' is cut short or damaged") and "rewrites the cache" in str(err.value)
     assert "\n" not in str(err.value) and {str(p): p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
+
+
+@pytest.mark.parametrize("name", ["config.json", "diffusion_pytorch_model.safetensors"])
+def test_a_pretrained_model_cut_short_is_one_sentence_before_diffusers_reads_it(name, tmp_path, capsys):
+    """A download that stopped: the transformer's config or weights cut in half is named (exit 2 in the commands), not
+    a JSONDecodeError or diffusers' own error from inside from_pretrained."""
+    from backbones.adapters import load_pretrained
+    from test_finetune_cli import write_pretrained
+
+    folder = write_pretrained("flux", tmp_path / "flux")
+    _cut = folder / name
+    _cut.write_bytes(_cut.read_bytes()[: _cut.stat().st_size // 2])
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    code, message = stopped(lambda: load_pretrained("flux", folder), capsys)
+    said = "is not valid JSON" if name.endswith(".json") else "is cut short or damaged"
+    assert code == 2 and message.startswith(f"error: '{_cut}' {said}") and "fetch the model again" in message
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from backbones.files import damaged, read_json, tensor_shapes
 from routing import ConfigError
 
 # What to fetch for each family: the diffusers class and a public checkpoint of it (for the error message).
@@ -58,7 +59,11 @@ def pretrained_folder(family: str, path: str | os.PathLike, what: str = "pretrai
             f"{what} '{root}' holds no diffusers {name} (config.json there or in transformer/); "
             f"fetch one first, e.g. `huggingface-cli download {repo} --include 'transformer/*' --local-dir {root}`."
         )
-    found = json.loads((folder / "config.json").read_text()).get("_class_name")
+    config = read_json(folder / "config.json", f"fetch the model again, e.g. `huggingface-cli download {repo} --include 'transformer/*' "
+                                                f"--local-dir {root}`")
+    if not isinstance(config, dict):
+        raise damaged(folder / "config.json", "is not a JSON object (a diffusers model config)", f"fetch the model again ({repo})")
+    found = config.get("_class_name")
     if found not in (None, name):
         raise ConfigError(f"{what} '{folder}' holds a {found}, not the {name} that family '{family}' needs.")
     return folder
@@ -67,6 +72,8 @@ def pretrained_folder(family: str, path: str | os.PathLike, what: str = "pretrai
 def load_pretrained(family: str, path: str | os.PathLike, torch_dtype: torch.dtype | None = None) -> nn.Module:
     """The family's diffusers transformer from `path` (its folder, or a pipeline folder with transformer/)."""
     folder = pretrained_folder(family, path)
+    for weights in sorted(folder.glob("*.safetensors")):  # whole, from their headers: a download cut short is named
+        tensor_shapes(weights, f"fetch the model again ({PRETRAINED[family][1]}); a download that stopped leaves such a file")
     return model_class(family).from_pretrained(folder, torch_dtype=torch_dtype, local_files_only=True)
 
 
