@@ -5,7 +5,9 @@ preview's rows in one line."""
 import os
 import subprocess
 import sys
+import tempfile
 import threading
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
@@ -97,5 +99,17 @@ def test_a_captioned_folder_receives_its_cache_only_once_every_check_passed(tmp_
     said = [ln for ln in ran.stdout.splitlines() if ln.startswith("data.cache:")]
     assert said == [f"data.cache: wrote {', '.join(sorted(p.name for p in cache.iterdir() if p.name != 'manifest.json'))}, "
                     f"manifest.json into {cache}"]
-    again = run_cli("train", *overrides(tmp_path / "pipe", data, tmp_path / "run2"))  # up to date: nothing staged or said
-    assert again.returncode == 0 and "data.cache:" not in again.stdout
+    # A kill left a cache write's and a staging folder's temporary files: the next run that writes removes them.
+    dead = dead_pid()
+    left = [cache / f".latents-32x32.safetensors.{dead}", cache / f".manifest.json.{dead}.tmp"]
+    for path in left:
+        path.write_text("cut")
+    stage = Path(tempfile.gettempdir()) / f"tread_cache-{dead}-test"
+    stage.mkdir()
+    (data / "wide" / "d.txt").write_text("a tall blue disk")
+    again = run_cli("train", *overrides(tmp_path / "pipe", data, tmp_path / "run2"))
+    assert again.returncode == 0, again.stderr
+    assert [ln for ln in again.stdout.splitlines() if ln.startswith("data.cache:")] == [
+        f"data.cache: wrote text.safetensors, manifest.json into {cache}"]  # the images did not change
+    assert not any(p.exists() for p in left) and not stage.exists()
+    assert not list(Path(tempfile.gettempdir()).glob(f"tread_cache-{os.getpid()}-*"))  # this process's stages are gone

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from routing import ConfigError
 from train.files import read_metrics, write_atomic
+from train.files.atomic import stale_temporaries
 
 LOCK = ".lock"
 # Folders and files of an existing run that a trainer writes into: each must be writable before training starts.
@@ -137,25 +138,13 @@ TEMPORARY_DIRS = (".", ".hydra", "samples")
 
 def remove_stale_temporaries(run_dir: Path) -> list[str]:
     """Remove the temporary files that killed processes left in `run_dir`'s folders (the pid in the name no longer
-    runs; a live writer's stay); returns what it removed, for the log. Called once the trainer holds the folder's lock (`_commit`)."""
+    runs; a live writer's stay); returns what it removed, for the log. Called once the trainer holds the folder's lock
+    (`_commit`)."""
     done = []
-    for folder in (run_dir / d for d in TEMPORARY_DIRS):
-        for tmp in sorted(folder.glob(".*.*.tmp")) if folder.is_dir() else []:
-            pid = tmp.name.rsplit(".", 2)[-2]
-            if pid.isdigit() and tmp.is_file() and not _running(int(pid)):
-                tmp.unlink(missing_ok=True)
-                done.append(f"removed {tmp.relative_to(run_dir)}")
+    for tmp in (t for d in TEMPORARY_DIRS for t in stale_temporaries(run_dir / d)):
+        tmp.unlink(missing_ok=True)
+        done.append(f"removed {tmp.relative_to(run_dir)}")
     return done
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 # Trainers of one process share its lock on a folder (tests and the benchmark build several in turn); the

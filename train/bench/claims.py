@@ -16,15 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
+from train.files.atomic import pid_running
 
 
 def owner(path: Path) -> int | None:
@@ -33,7 +25,7 @@ def owner(path: Path) -> int | None:
         pid = int(path.read_text().strip() or 0)
     except (FileNotFoundError, ValueError):
         return None
-    return pid if pid and pid != os.getpid() and _alive(pid) else None
+    return pid if pid and pid != os.getpid() and pid_running(pid) else None
 
 
 @contextmanager

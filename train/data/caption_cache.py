@@ -32,6 +32,7 @@ from train.data.buckets import bucket_sizes, fit_to_bucket, nearest_bucket
 from train.data.captions import UNREADABLE, list_captioned
 from train.data.prompts import encode_table, read_table, write_table
 from train.files import write_atomic
+from train.files.atomic import stale_temporaries
 
 FORMAT = "tread-zoo-captions/1"
 MANIFEST, TEXT = "manifest.json", "text.safetensors"
@@ -123,6 +124,7 @@ def prepare_captions(cfg, device: str | torch.device = "cpu", log=print, items=N
     old = read_json(cache / MANIFEST)
     if stage is None:
         out.mkdir(parents=True, exist_ok=True)
+        clean(cache)
 
     # Text: the pipeline's own encoders, once for every distinct caption and the empty one.
     text_key = _key({"family": family, "encoders": identity(_text_encoders(pipeline)), "captions": captions,
@@ -178,9 +180,16 @@ def publish(stage: Path, cache: Path) -> list[str]:
     new = sorted((p for p in stage.iterdir() if p.is_file() and not p.is_symlink()), key=lambda p: (p.name == MANIFEST, p.name))
     if new:
         cache.mkdir(parents=True, exist_ok=True)
+        clean(cache)
     for file in new:
         write_atomic(cache / file.name, lambda tmp, file=file: shutil.copyfile(file, tmp))
     return [p.name for p in new]
+
+
+def clean(cache: Path) -> None:
+    """Remove the temporary files that a killed write left in the cache (their process no longer runs)."""
+    for tmp in stale_temporaries(cache, pid_last=True):
+        tmp.unlink(missing_ok=True)
 
 
 @torch.no_grad()

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from routing.errors import ConfigError
-from train.data.caption_cache import PIXELS, cache_folder, identity, pipeline_folder, read_json, save_atomic, staged, vae_folder
+from train.data.caption_cache import PIXELS, cache_folder, clean, identity, pipeline_folder, read_json, save_atomic, staged, vae_folder
 from train.data.prompts import encode_table, read_table, write_table
 from train.data.masks import BatchMasks, clip_coverage
 from train.data.videos import Clip, clip_array, has_mask, sample_masks
@@ -57,6 +57,7 @@ def prepare_videos(cfg, clips: list[Clip], device="cpu", log=print, stage: Path 
     old = read_json(cache / MANIFEST)
     if stage is None:
         out.mkdir(parents=True, exist_ok=True)
+        clean(cache)
 
     encoders = [pipeline / "model_index.json"] + sorted(p for p in pipeline.iterdir() if p.is_dir() and p.name.startswith(("text_encoder", "tokenizer")))
     text_key = _key({"encoders": identity(encoders), "captions": captions, "max_sequence_length": d.max_sequence_length,

@@ -50,3 +50,25 @@ def as_os_error(err: BaseException, path: str | os.PathLike) -> OSError:
         folder = next((p for p in Path(path).parents if p.exists()), None)
         full = folder is not None and shutil.disk_usage(folder).free < NEARLY_FULL
     return OSError(errno.ENOSPC if full else errno.EIO, f"{type(err).__name__}: {text}", str(path))
+
+
+def pid_running(pid: int) -> bool:
+    """Whether process `pid` runs (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def stale_temporaries(folder: Path, pid_last: bool = False) -> list[Path]:
+    """The temporary files of writes in `folder` whose process no longer runs, so nothing will rename them: a kill left
+    them. `.<name>.<pid>.tmp` as write_atomic names them; with `pid_last` also `.<name>.<pid>` (the caches' writes)."""
+    found = []
+    for path in sorted(folder.glob(".*")) if folder.is_dir() else []:
+        parts = path.name.removesuffix(".tmp").rsplit(".", 1) if path.name.endswith(".tmp") or pid_last else []
+        if len(parts) == 2 and parts[1].isdigit() and path.is_file() and not pid_running(int(parts[1])):
+            found.append(path)
+    return found

@@ -32,6 +32,7 @@ from train.data.prompts import check_table
 from train.data.validation_prompts import check_validation_prompts, encode_validation
 from train.distributed import ShardedEma, shard_blocks, shard_projector, sharded_copy
 from train.files import read_metrics
+from train.files.atomic import pid_running
 from train.logger import MetricsLogger
 from train.metrics.alignment import align_name, build_alignment
 from train.rundir import HydraRecord, move_aside, refuse_used, remove_stale_temporaries
@@ -210,7 +211,11 @@ class SetUp:
         """An empty folder outside the data folder for the cache files a run writes, or None under several processes."""
         if self.acc.num_processes > 1:
             return None
-        self._stage = Path(tempfile.mkdtemp(prefix="tread_cache-"))
+        for old in Path(tempfile.gettempdir()).glob("tread_cache-*-*"):  # a killed run's (its pid no longer runs)
+            pid = old.name.split("-")[1]
+            if pid.isdigit() and not pid_running(int(pid)):
+                shutil.rmtree(old, ignore_errors=True)
+        self._stage = Path(tempfile.mkdtemp(prefix=f"tread_cache-{os.getpid()}-"))
         weakref.finalize(self, shutil.rmtree, self._stage, True)
         return self._stage
 
