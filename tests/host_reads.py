@@ -30,7 +30,8 @@ METHODS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__",
 
 def where() -> str:
     """`path:line function` of the innermost frame of this project outside tests/, else the innermost test frame."""
-    frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(str(ROOT)) and "/.venv/" not in f.filename]
+    frames = [f for f in traceback.extract_stack() if f.filename.startswith(str(ROOT)) and "/.venv/" not in f.filename
+              and f.filename != __file__]
     own = [f for f in frames if not f.filename.startswith(str(ROOT / "tests"))] or frames
     if not own:
         return "?"

@@ -20,7 +20,8 @@ from train.trainer import Trainer
 
 from conftest import FAST, compose_cfg, run_cli
 from test_align import vit_folder as tiny_vit_folder  # noqa: F401  (a fixture)
-from test_host_sync import forbidden_reads, while_forbidden
+from host_reads import HostReads
+from test_host_sync import while_recorded
 
 # The matrix's tiny model: depth 6 (the recipes' routes r2->-4 and r2->-3), width 32, an 8x8 token grid on digits.
 TINY = ["backbone.depth=6", "backbone.hidden_size=32", "trainer.log_with=none", "align.projector_width=16"]
@@ -170,10 +171,10 @@ def test_alignment_reads_nothing_on_the_host_between_logging_steps(tmp_path, ext
     run = tmp_path / "run"
     trainer = Trainer(compose_cfg(*FAST, *TINY, "routing=random", "align=self", *extra, "trainer.max_steps=3",
                                   "trainer.log_every=3", f"run_dir={run}"))
-    with forbidden_reads() as forbid:
-        steps = while_forbidden(trainer, forbid)
+    with HostReads(armed=False) as reads:
+        steps = while_recorded(trainer, reads)
         losses = trainer.fit()
-    assert steps == [1, 2, 3] and len(losses) == 3
+    assert steps == [1, 2, 3] and len(losses) == 3 and not reads.reads, reads.summary()
     assert [m["step"] for m in metrics(run)] == [3] and "align" in metrics(run)[0]
 
 

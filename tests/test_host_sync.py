@@ -1,69 +1,39 @@
 """The training step makes no host read between logging steps: the divergence guard decides on the device, and the
 losses and the guard's counts are read at logging steps only (train/trainer/step.py, guard.py).
 
-On the CPU the host and the device are one, so the test forbids every call that reads a tensor's value on the host
-(item, bool, int, float, tolist, cpu, numpy) while the step runs, except inside the data read (host work by design:
-on CUDA a thread reads the next batch meanwhile)."""
+Every read is recorded while the step runs (tests/host_reads.py: the aten ops that read a value or take a data-dependent
+shape, and the Python methods item, tolist, bool, ...), except inside the data read (host work by design: on CUDA a
+thread reads the next batch meanwhile). The model side of the step over every family, recipe, alignment and mask is
+tests/test_host_reads_matrix.py's."""
 
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
 import torch
 
+from host_reads import HostReads
 from train.trainer import Trainer
 from conftest import FAST, compose_cfg
 
-READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
 
-
-class HostRead(AssertionError):
-    pass
-
-
-@contextmanager
-def forbidden_reads():
-    """Within: `forbid[0]` True makes every tensor read on the host raise HostRead."""
-    forbid = [False]
-    originals = {name: getattr(torch.Tensor, name) for name in READS}
-
-    def guarded(name):
-        def read(self, *args, **kwargs):
-            if forbid[0]:
-                raise HostRead(f"Tensor.{name} inside the step")
-            return originals[name](self, *args, **kwargs)
-        return read
-
-    for name in READS:
-        setattr(torch.Tensor, name, guarded(name))
-    try:
-        yield forbid
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
-
-
-def while_forbidden(trainer: Trainer, forbid: list) -> list:
-    """Run every step with reads forbidden, the data read excepted; returns the steps run so."""
+def while_recorded(trainer: Trainer, reads: HostReads) -> list:
+    """Record the host reads of every step, the data read excepted; returns the steps run so."""
     steps, real_step, real_load = [], trainer._step, trainer._load_batch
 
     def step():
-        forbid[0] = True
+        reads.armed = True
         try:
             real_step()
         finally:
-            forbid[0] = False
+            reads.armed = False
         steps.append(trainer.step)
 
     def load(key):
-        before, forbid[0] = forbid[0], False
-        try:
+        with reads.paused():
             return real_load(key)
-        finally:
-            forbid[0] = before
 
     trainer._step, trainer._load_batch = step, load
     return steps
@@ -74,14 +44,13 @@ def while_forbidden(trainer: Trainer, forbid: list) -> list:
 def test_steps_between_logging_steps_read_nothing_on_the_host(tmp_path, extra):
     run = tmp_path / "run"
     trainer = Trainer(compose_cfg(*FAST, "trainer.max_steps=4", "trainer.log_every=4", "trainer.log_with=none", f"run_dir={run}", *extra))
-    with forbidden_reads() as forbid:
-        forbid[0] = True
-        with pytest.raises(HostRead):  # the patch bites: a read of the old step's kind fails
-            bool(torch.isfinite(torch.ones(())))
-        forbid[0] = False
-        steps = while_forbidden(trainer, forbid)
+    with HostReads() as reads:
+        bool(torch.isfinite(torch.ones(())))  # the recorder bites: a read of the old step's kind is recorded
+        assert [what for what, _ in reads.reads] == ["Tensor.__bool__"]
+        reads.armed, reads.reads = False, []
+        steps = while_recorded(trainer, reads)
         losses = trainer.fit()
-    assert steps == [1, 2, 3, 4]
+    assert steps == [1, 2, 3, 4] and not reads.reads, reads.summary()
     # The losses of all four steps were read at once, at the logging step, and equal a run that reads every step.
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [4] and lines[0]["loss"] == losses[-1] and lines[0]["skipped_steps"] == 0
@@ -98,13 +67,14 @@ def test_a_non_finite_step_is_skipped_on_the_device_and_counted_at_the_next_read
     real_get = trainer.dataset.get
     trainer.dataset.get = lambda idx, g: (lambda x, y: (x * float("nan") if trainer.step == 1 else x, y))(*real_get(idx, g))
     trainer.in_loop = True  # as inside fit: steps 1 and 2 are not read
-    with forbidden_reads() as forbid:
-        while_forbidden(trainer, forbid)
+    with HostReads(armed=False) as reads:
+        while_recorded(trainer, reads)
         assert trainer.train_step() is None
         weights = {k: v.clone() for k, v in trainer.net.state_dict().items()}
         ema = {k: v.clone() for k, v in trainer.ema.module.state_dict().items()}
         adam = [s["exp_avg_sq"].clone() for s in trainer.optimizer.state.values()]
         assert trainer.train_step() is None  # the NaN step
+    assert not reads.reads, reads.summary()
     assert all(torch.equal(weights[k], v) for k, v in trainer.net.state_dict().items())
     assert all(torch.equal(ema[k], v) for k, v in trainer.ema.module.state_dict().items())
     assert all(torch.equal(a, s["exp_avg_sq"]) for a, s in zip(adam, trainer.optimizer.state.values()))
