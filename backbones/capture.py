@@ -111,6 +111,9 @@ class HiddenCapture:
     def attach(self) -> None:
         if self._handles:
             return
+        # The policy is wrapped now, before any compiled forward: a swap inside the first one would fail the compiled
+        # graph's guard on the policy's type at the next step and recompile the whole model.
+        self._record_policy()
         self._handles.append(self.backbone.register_forward_pre_hook(self._start))
         self._handles += [self.backbone.blocks[l].register_forward_hook(partial(self._store, l)) for l in self.layers]
 
@@ -135,8 +138,11 @@ class HiddenCapture:
         if module is not self.backbone:
             return
         self.clear()
+        self._record_policy()  # a router attached after this capture is wrapped at its first forward
+
+    def _record_policy(self) -> None:
         router = self.backbone.router
-        if not isinstance(router.policy, RecordingPolicy):  # wrapped here, so a router attached later is wrapped too
+        if not isinstance(router.policy, RecordingPolicy):
             router.policy = RecordingPolicy(router.policy)
 
     def _store(self, layer: int, module, args, output) -> None:

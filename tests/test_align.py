@@ -221,6 +221,36 @@ def test_diffmoe_ema_teacher_runs_the_training_path_and_reads_nothing_on_the_hos
     assert not torch.allclose(teacher, block_3(ema, training=False))
 
 
+@pytest.mark.parametrize("teacher", ["online", pytest.param("ema", marks=pytest.mark.slow)])  # the same capture: ema is the slower
+def test_alignment_under_whole_model_compile_compiles_once_over_three_steps(teacher):
+    """trainer.compile=model with self-alignment: the capture's recording policy is in place before the first compiled
+    forward, so no guard fails at step 2 and the model compiles once (dynamo's eager backend: the graphs, no codegen)."""
+    import torch._dynamo
+
+    from train.compiling import compile_network, compiled_graphs
+
+    net = build_objective("edm").wrap(tiny("dit", TREAD, depth=5))
+    ema = build_objective("edm").wrap(tiny("dit", TREAD, depth=5)).eval().requires_grad_(False)
+    objective, router = build_objective("edm"), net.model.router
+    align = Alignment(net.model, "self", 2, width=16, teacher_layer=3, teacher=teacher)
+    torch._dynamo.reset()
+    before = compiled_graphs()
+    forward = compile_network(net, net.model, "model", backend="eager")
+    g, graphs = torch.Generator().manual_seed(1), []
+    try:
+        for step in range(3):
+            x, sigma, y = batch()
+            noise = torch.randn(x.shape, generator=g)
+            router.set_draws(torch.Generator().manual_seed(100 + step), 0, len(x))  # the routes drawn outside the graph
+            loss = objective.loss(forward, x, y, sigma, noise).mean()
+            (loss + align(x, y, sigma, noise, objective=objective, ema=ema, u=torch.rand(len(x), generator=g))).backward()
+            graphs.append(compiled_graphs() - before)
+            torch._dynamo.config.error_on_recompile = True  # from the second step on, a recompile fails the test
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+    assert graphs == [graphs[0]] * 3 and graphs[0] >= 1, graphs
+
+
 def test_teacher_time_is_lower_and_in_range():
     t = torch.tensor([0.05, 0.5, 0.99])
     u = torch.tensor([1.0, 0.5, 0.0])
