@@ -60,7 +60,7 @@ def test_dry_run_writes_every_section(tmp_path, capsys):
     assert len(trainer["rounds"]["trainer_images_per_s"]) == 3 and trainer["spreads"]["ratio"]["n"] == 3
     assert saved["rounds"] == 3 and "3 rounds per speed row" in md and "| goal | median | range | verdict | note |" in md
     # Tiny shapes on a CPU decide no goal, but every goal is listed (the side-by-side's too, without --tread).
-    assert len(saved["goals"]) == 14 and all(g["met"] is None and g["verdict"] == "not measured" for g in saved["goals"])
+    assert len(saved["goals"]) == 16 and all(g["met"] is None and g["verdict"] == "not measured" for g in saved["goals"])
     assert report["sections"][0]["records"][0]["passed"]
     out = capsys.readouterr().out
     assert "[" in out and "kernels:" in out and "wrote" in out  # progress lines

@@ -96,6 +96,8 @@ def goals(sections: list[dict], dry_run: bool) -> list[dict]:
             goal("DiT-XL/2 TREAD, batch 64: routed MFU >= 40%", xl("mfu_routed"), 0.40, ".1%"),
             goal("DiT-XL/2 TREAD: whole-model compile (the first unrouted and routed steps) under 90 s", xl("compile_s"), 90.0,
                  ".0f", at_most=True, once=True),
+            goal("DiT-XL/2 TREAD, batch 128: unrouted MFU >= 45%", get("dit-XL-tread-b128", "mfu_unrouted"), 0.45, ".1%"),
+            goal("DiT-XL/2 TREAD, batch 128: routed MFU >= 40%", get("dit-XL-tread-b128", "mfu_routed"), 0.40, ".1%"),
             goal("DiT-XL/2 SPRINT: routed efficiency >= 0.85", get("dit-XL-sprint", "efficiency"), 0.85, ".2f"),
             goal("DiT-B/2 TREAD: routed efficiency >= 0.9", get("dit-B-tread", "efficiency"), 0.9, ".2f"),
             goal("python -m train: at least 0.95 of the bare step's images/s", get("trainer", "ratio"), 0.95, ".2f"),
