@@ -17,13 +17,13 @@ from tqdm.auto import tqdm
 from edm import generate
 from train.build import describe_finetuning, finetune_family, sampling_objective
 from train.checkpoint import NonFiniteWeights, save_checkpoint
-from train.cli import RunStopped, is_disk_full
+from train.cli import Preempted, RunStopped, is_disk_full
 from train.data.validation_prompts import conditioned_on
 from train.distributed import ShardedEma
 from train.files import write_atomic
 from train.grid import grid_labels, save_grid
 from train.logger import recipe
-from train.trainer.preemption import Preempted, StopSignals
+from train.trainer.preemption import StopSignals
 from train.schema.sample import preview_every
 
 

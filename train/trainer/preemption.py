@@ -1,5 +1,6 @@
 """Preemption: SIGTERM (SLURM, Kubernetes), SIGUSR1 (SLURM's --signal) and SIGINT (Ctrl-C) end a run at a step boundary
-with a checkpoint of that step, one line naming it, and exit code 128 + the signal's number (143, 138, 130).
+with a checkpoint of that step, one line naming it, and exit code 128 + the signal's number (143, 138, 130): Loop._preempt
+raises train.cli.Preempted, which the commands turn into the line and the code.
 
 The handler only records the signal: the step in flight finishes, and a second signal (while the checkpoint is being
 written, say) changes nothing, so it cannot cut the save short. One process looks at its flag after every step (an
@@ -14,8 +15,6 @@ import signal
 import threading
 
 import torch
-
-from train.cli import Preempted  # noqa: F401  (raised by Loop._preempt; the commands turn it into the line and the code)
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
