@@ -121,6 +121,33 @@ def test_masks_are_not_images_and_one_bit_masks_are_accepted(tmp_path):
     assert mask_file(data / "wide" / "d.png") == data / "wide" / "d.mask.png"
 
 
+@pytest.mark.parametrize("weights, box, says", [
+    ("[1.0,0.0]", (0, 0, 0, 0), "is all black, and data.mask_loss_weight=[1.0, 0.0] weighs outside the region 0"),
+    ("[0.0,1.0]", (0, 0, 48, 32), "is all white, and data.mask_loss_weight=[0.0, 1.0] weighs inside the region 0"),
+    ("[1.0,0.0]", (0, 0, 8, 8), None),
+], ids=["empty-mask-outside-0", "full-mask-inside-0", "a-region"])
+def test_a_mask_that_weighs_its_whole_sample_0_is_refused(weights, box, says, tmp_path, capsys):
+    """SimpleTuner's masked loss [1, 0] with an empty mask (or [0, 1] with a full one) trains nothing on that image: refused
+    in one sentence naming the mask, exit 2, before anything is written into the data folder."""
+    from conftest import compose_cfg
+    from train.cli import friendly_errors
+    from train.data.captions import check_captions
+
+    data = write_images(tmp_path / "data")
+    mask = save_mask(data / "wide" / "d.mask.png", (48, 32), box)
+    cfg = compose_cfg("data=captions", f"data.path={data}", "finetune.family=flux", "run_dir=/tmp/unused",
+                      f"data.mask_loss_weight={weights}")
+    before = snapshot(data)
+    if says is None:
+        assert len(check_captions(cfg)) == len(list_captioned(data)) and snapshot(data) == before
+        return
+    with pytest.raises(SystemExit) as exit_:
+        friendly_errors(lambda: check_captions(cfg))()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith(f"error: mask '{mask}' {says}"), err
+    assert f"so '{data / 'wide' / 'd.png'}' would train nothing" in err and snapshot(data) == before
+
+
 def test_mask_loss_weights_that_train_nothing_are_refused():
     from train.data.masks import check_weights
 

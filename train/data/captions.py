@@ -20,7 +20,7 @@ from PIL import Image
 
 from routing.errors import ConfigError
 from train.data.images import IMAGE_EXTENSIONS, image_files
-from train.data.masks import check_mask, check_orphans, check_weights, is_mask_file, mask_file
+from train.data.masks import check_mask, check_orphans, check_sample_weights, check_weights, is_mask_file, mask_file
 
 # What PIL raises for truncated, corrupt or hostile files.
 UNREADABLE = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
@@ -76,7 +76,12 @@ def check_captions(cfg) -> list[Captioned]:
     if cfg.data.channels not in (1, 3):
         raise ConfigError(f"data.channels={cfg.data.channels} is neither 3 (RGB) nor 1 (grey); choose one of them.")
     check_weights(cfg.data.get("mask_loss_weight"))
-    return list_captioned(cfg.data.path)
+    items = list_captioned(cfg.data.path)
+    root = Path(cfg.data.path).expanduser()
+    for item in items:
+        if mask_file(root / item.file).is_file():
+            check_sample_weights(root / item.file, [mask_file(root / item.file)], cfg.data.get("mask_loss_weight"))
+    return items
 
 
 def list_captioned(folder: str | Path) -> list[Captioned]:

@@ -57,6 +57,29 @@ def check_weights(weights) -> None:
                           "would train nothing; give inside > 0 (e.g. data.mask_loss_weight=[1.0,0.0], SimpleTuner's masked loss).")
 
 
+def check_sample_weights(sample: Path, masks: list[Path], weights) -> None:
+    """Refuse masks that weigh every pixel of `sample` 0 under data.mask_loss_weight=[inside, outside]: an all-white mask
+    with inside 0, or an all-black one (an empty mask) with outside 0, on each of its frames (`masks`: one per frame, or
+    one for all; a frame without a mask weighs 1). Read only when a weight is 0."""
+    if weights is None or not masks or all(float(w) > 0 for w in weights):
+        return
+    inside, outside = (float(w) for w in weights)
+    said = []
+    for path in masks:
+        with Image.open(path) as mask:
+            low, high = mask.convert("L").getextrema()
+        if low >= 128 and inside == 0:
+            said.append((path, "all white", "inside"))
+        elif high < 128 and outside == 0:
+            said.append((path, "all black", "outside"))
+        else:
+            return
+    path, colour, where = said[0]
+    raise ConfigError(f"mask '{path}' is {colour}{' (so are the masks of its other frames)' if len(said) > 1 else ''}, and "
+                      f"data.mask_loss_weight={[float(w) for w in weights]} weighs {where} the region 0, so '{sample}' would train "
+                      f"nothing; mark the region in the mask, give {where} a weight > 0, or delete the mask.")
+
+
 def check_mask(path: Path, size: tuple[int, int], of: Path) -> None:
     """Refuse, in one sentence, a mask that is unreadable, not single-channel grey, or not the size of `of` (its image)."""
     try:

@@ -28,7 +28,7 @@ from train.data.caption_cache import PIXELS, vae_folder
 from train.data.captions import UNREADABLE
 from train.data.captions import read_caption as read_sidecar
 from train.data.images import IMAGE_EXTENSIONS
-from train.data.masks import check_mask, check_orphans, check_weights, is_mask_file, mask_file, read_mask
+from train.data.masks import check_mask, check_orphans, check_sample_weights, check_weights, is_mask_file, mask_file, read_mask
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi")
 CLIP_EXTENSIONS = (".gif", *VIDEO_EXTENSIONS)
@@ -248,4 +248,12 @@ def check_videos(cfg) -> list[Clip]:
             raise ConfigError(f"data.{key}={side} is not a multiple of {spatial * p} (the VAE's factor {spatial} x the model's patch {p}); "
                               f"use data.{key}={max(1, round(side / (spatial * p))) * spatial * p}.")
     check_weights(d.get("mask_loss_weight"))
-    return list_clips(d.path, d.frames, d.stride)
+    clips = list_clips(d.path, d.frames, d.stride)
+    root = Path(d.path).expanduser()
+    for clip in clips:
+        path = root / clip.file
+        frames = frame_files(path) if path.is_dir() else []
+        masks = [mask_file(path)] if mask_file(path).is_file() else \
+            [mask_file(f) for f in frames] if frames and all(mask_file(f).is_file() for f in frames) else []
+        check_sample_weights(path, masks, d.get("mask_loss_weight"))
+    return clips
