@@ -189,6 +189,22 @@ def test_a_refusal_is_one_line_on_stderr_and_exit_code_2(tiny, tmp_path, capsys)
                             f"run_dir={tmp_path / 'run2'}"))
 
 
+def test_a_video_cache_cut_short_is_named_when_the_dataset_opens(tiny, tmp_path):
+    """The cached clip latents cut in half (a kill mid-copy, a full disk elsewhere): one sentence naming the file."""
+    from routing import FileError
+    from train.data.video_cache import LATENTS, VideosDataset, prepare_videos
+    from train.data.videos import check_videos
+
+    folder = tmp_path / "clips"
+    shutil.copytree(tiny["clips"], folder, ignore=shutil.ignore_patterns(".tread_cache"))
+    cfg = compose_cfg(*wan(tiny, f"data.path={folder}", f"run_dir={tmp_path / 'run'}"))
+    cache = prepare_videos(cfg, check_videos(cfg), log=lambda _: None)
+    (cache / LATENTS).write_bytes((cache / LATENTS).read_bytes()[: (cache / LATENTS).stat().st_size // 2])
+    with pytest.raises(FileError) as err:
+        VideosDataset(cfg.data)
+    assert str(err.value).startswith(f"'{cache / LATENTS}' is cut short or damaged") and "rewrites the cache" in str(err.value)
+
+
 @pytest.mark.slow
 def test_python_m_train_runs_the_wan_preset_on_the_fixture_and_refuses_with_exit_code_2(tiny, tmp_path):
     run = tmp_path / "run"

@@ -26,7 +26,7 @@ from train.data.caption_cache import PIXELS, cache_folder, clean, identity, pipe
 from train.data.prompts import encode_table, read_table, write_table
 from train.data.masks import BatchMasks, clip_coverage
 from train.data.videos import Clip, clip_array, has_mask, sample_masks
-from train.files import write_atomic
+from train.files import read_tensors, write_atomic
 
 FORMAT = "tread-zoo-videos/1"
 MANIFEST, TEXT, LATENTS = "manifest.json", "text.safetensors", "videos.safetensors"
@@ -129,11 +129,9 @@ class VideosDataset:
         self.num_classes = len(self.captions)
         self.preview_classes = min(self.num_classes, self.PREVIEW_CAPTIONS)
         self.labels = torch.tensor(manifest["labels"])
-        from safetensors.torch import load_file
-
         if not (self.folder / LATENTS).is_file():
             raise ConfigError(f"the video cache '{self.folder}' lacks {LATENTS}; run the training command again to rewrite it.")
-        tensors = load_file(self.folder / LATENTS)
+        tensors = read_tensors(self.folder / LATENTS, "delete it and run the training command again, which rewrites the cache")
         self.mean, self.std = tensors["mean"], tensors["std"]
         self.shape = tuple(self.mean.shape[1:])  # (C, T', h, w)
         c = self.shape[0]
