@@ -38,8 +38,9 @@ DEPTH = 8  # TREAD's r2->-4 route holds blocks 2-4, SPRINT's r2->-3 blocks 2-5
 # The reads the matrix allows, by (what, `path function`), each with why it is inherent: a shape that follows the data.
 INHERENT = {
     ("Tensor.__float__", "backbones/ops/wkv.py _chunking"):
-        "the chunked Bi-WKV op, the CPU path (CUDA runs the Triton kernel, which reads nothing): its chunk length, and so the "
-        "shape of every matmul and the number of carry steps, follows max |w|, which keeps each chunk's decays inside e^+-12",
+        "the chunked Bi-WKV op, the CPU path and CUDA's without Triton (CUDA runs the Triton kernels, whose chunks are a fixed 16 "
+        "tokens): its chunk length, and so the shape of every matmul and the number of carry steps, follows max |w|, which "
+        "keeps each chunk's decays inside e^+-12",
     ("aten.nonzero", "backbones/ops/moe.py <listcomp>"):
         "token choice (the MoE table's baseline), dropless: each expert's matmul takes the tokens that chose it, a load that "
         "follows the gate (expert choice and DiffMoE's capacity routing have fixed loads and read nothing)",
