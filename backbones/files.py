@@ -17,7 +17,7 @@ import torch
 
 from routing.errors import FileError
 
-__all__ = ["damaged", "read_json", "read_tensors", "read_text", "safetensors_metadata", "tensor_shapes"]
+__all__ = ["damaged", "read_config", "read_json", "read_tensors", "read_text", "safetensors_metadata", "tensor_shapes"]
 
 
 def damaged(path: str | os.PathLike, problem: str, fix: str) -> FileError:
@@ -49,6 +49,17 @@ def read_json(path: str | os.PathLike, fix: str) -> Any:
     except json.JSONDecodeError as err:
         where = "is empty" if not text.strip() else f"is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})"
         raise damaged(path, where, fix) from None
+
+
+REFETCH = "fetch the model again (a download that stopped, or an edit, leaves such a file)"
+
+
+def read_config(path: str | os.PathLike, fix: str = REFETCH) -> dict:
+    """A pretrained model's JSON config (config.json, model_index.json): a JSON object, or a refusal naming the file."""
+    config = read_json(path, fix)
+    if not isinstance(config, dict):
+        raise damaged(path, "is not a JSON object (a model's config)", fix)
+    return config
 
 
 def _safetensors_fault(path: Path, err: BaseException) -> str:

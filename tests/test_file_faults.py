@@ -246,3 +246,22 @@ def test_a_pretrained_model_cut_short_is_one_sentence_before_diffusers_reads_it(
     said = "is not valid JSON" if name.endswith(".json") else "is cut short or damaged"
     assert code == 2 and message.startswith(f"error: '{_cut}' {said}") and "fetch the model again" in message
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def test_a_pipeline_component_config_cut_short_is_named(pipeline, tmp_path, capsys):
+    """A pipeline's VAE config.json cut in half (a download that stopped): the caption cache refuses it in one sentence
+    naming the file, before anything is encoded or written."""
+    import shutil
+
+    from train.data.caption_cache import prepare_captions
+
+    copy = tmp_path / "pipe"
+    shutil.copytree(pipeline, copy)
+    config = copy / "vae" / "config.json"
+    config.write_bytes(config.read_bytes()[: config.stat().st_size // 2])
+    data = write_images(tmp_path / "data")
+    cfg = compose_cfg(*overrides(copy, data, tmp_path / "run"))
+    before = {str(p) for p in tmp_path.rglob("*")}
+    code, message = stopped(lambda: prepare_captions(cfg, log=lambda _: None), capsys)
+    assert code == 2 and message.startswith(f"error: '{config}' is not valid JSON") and "fetch the model again" in message
+    assert {str(p) for p in tmp_path.rglob("*")} == before

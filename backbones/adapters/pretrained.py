@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from backbones.files import damaged, read_json, tensor_shapes
+from backbones.files import read_config, tensor_shapes
 from routing import ConfigError
 
 # What to fetch for each family: the diffusers class and a public checkpoint of it (for the error message).
@@ -59,11 +59,8 @@ def pretrained_folder(family: str, path: str | os.PathLike, what: str = "pretrai
             f"{what} '{root}' holds no diffusers {name} (config.json there or in transformer/); "
             f"fetch one first, e.g. `huggingface-cli download {repo} --include 'transformer/*' --local-dir {root}`."
         )
-    config = read_json(folder / "config.json", f"fetch the model again, e.g. `huggingface-cli download {repo} --include 'transformer/*' "
-                                                f"--local-dir {root}`")
-    if not isinstance(config, dict):
-        raise damaged(folder / "config.json", "is not a JSON object (a diffusers model config)", f"fetch the model again ({repo})")
-    found = config.get("_class_name")
+    found = read_config(folder / "config.json", f"fetch the model again, e.g. `huggingface-cli download {repo} --include "
+                                                 f"'transformer/*' --local-dir {root}`").get("_class_name")
     if found not in (None, name):
         raise ConfigError(f"{what} '{folder}' holds a {found}, not the {name} that family '{family}' needs.")
     return folder

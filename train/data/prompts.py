@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from backbones.adapters import PRETRAINED, TABLE_KEYS
 from routing.errors import ConfigError
-from train.files import write_atomic
+from train.files import read_config, write_atomic
 from train.files.prompt_table import FORMAT, WRITE_ONE, TableHeader, read_header
 # The diffusers pipelines whose `encode_prompt` makes each family's text conditioning.
 PIPELINES = {"flux": ("FluxPipeline",), "sd3": ("StableDiffusion3Pipeline",), "pixart": ("PixArtSigmaPipeline", "PixArtAlphaPipeline"),
@@ -115,7 +115,7 @@ def load_text_pipeline(family: str, folder: str | os.PathLike, dtype: str = "fp3
              f"'model_index.json' 'text_encoder*/*' 'tokenizer*/*' 'scheduler/*' --local-dir {folder}`")
     if not index.is_file():
         raise ConfigError(f"pipeline folder '{folder}' holds no diffusers {PIPELINES[family][0]} (model_index.json); {fetch}.")
-    name = json.loads(index.read_text()).get("_class_name")
+    name = read_config(index, fetch).get("_class_name")
     if name not in PIPELINES[family]:
         raise ConfigError(f"pipeline folder '{folder}' holds a {name}, not the {' or '.join(PIPELINES[family])} that --family {family} needs.")
     try:

@@ -26,7 +26,7 @@ from train.data.caption_cache import PIXELS, cache_folder, clean, identity, pipe
 from train.data.prompts import encode_table, read_table, write_table
 from train.data.masks import BatchMasks, clip_coverage
 from train.data.videos import Clip, clip_array, has_mask, sample_masks
-from train.files import read_tensors, write_atomic
+from train.files import read_config, read_tensors, write_atomic
 
 FORMAT = "tread-zoo-videos/1"
 MANIFEST, TEXT, LATENTS = "manifest.json", "text.safetensors", "videos.safetensors"
@@ -47,7 +47,7 @@ def prepare_videos(cfg, clips: list[Clip], device="cpu", log=print, stage: Path 
     if vae_dir is None:
         space = {"kind": PIXELS, "channels": 3, "temporal": 1, "spatial": 1, "mean": [0.0] * 3, "std": [1.0] * 3}
     else:
-        config = json.loads((vae_dir / "config.json").read_text())
+        config = read_config(vae_dir / "config.json")
         from train.data.videos import vae_factors
 
         temporal, spatial, channels = vae_factors(cfg)

@@ -15,7 +15,6 @@ encoded once into a cache (video_cache.py), which `VideosDataset` trains from.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from train.data.captions import UNREADABLE
 from train.data.captions import read_caption as read_sidecar
 from train.data.images import IMAGE_EXTENSIONS
 from train.data.masks import check_mask, check_orphans, check_sample_weights, check_weights, is_mask_file, mask_file, read_mask
+from train.files import read_config
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi")
 CLIP_EXTENSIONS = (".gif", *VIDEO_EXTENSIONS)
@@ -197,14 +197,14 @@ def model_patch(cfg) -> tuple[int, int, int]:
     from backbones.adapters import pretrained_folder
 
     folder = pretrained_folder("wan", cfg.finetune.pretrained, what="finetune.pretrained")
-    return tuple(json.loads((folder / "config.json").read_text()).get("patch_size", (1, 2, 2)))
+    return tuple(read_config(folder / "config.json").get("patch_size", (1, 2, 2)))
 
 
 def model_channels(cfg) -> int:
     """The channels the pretrained Wan transformer denoises (its out_channels), from its config.json."""
     from backbones.adapters import pretrained_folder
 
-    config = json.loads((pretrained_folder("wan", cfg.finetune.pretrained, what="finetune.pretrained") / "config.json").read_text())
+    config = read_config(pretrained_folder("wan", cfg.finetune.pretrained, what="finetune.pretrained") / "config.json")
     return int(config.get("out_channels") or config.get("in_channels", 16))
 
 
@@ -213,7 +213,7 @@ def vae_factors(cfg) -> tuple[int, int, int]:
     folder = vae_folder(cfg)
     if folder is None:
         return 1, 1, 3
-    config = json.loads((folder / "config.json").read_text())
+    config = read_config(folder / "config.json")
     temporal = config.get("scale_factor_temporal") or 2 ** sum(config.get("temperal_downsample", [False, True, True]))
     spatial = config.get("scale_factor_spatial") or 2 ** (len(config.get("dim_mult", [1, 2, 4, 4])) - 1)
     return int(temporal), int(spatial), int(config.get("z_dim", 16))

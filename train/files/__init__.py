@@ -24,10 +24,10 @@ from train.files.latents import LatentsMeta, LatentStats, read_meta, read_stats
 from train.files.metrics_log import read_metrics
 from train.files.prompt_table import TableHeader, read_header
 from train.files.run_state import CheckpointState, read_checkpoint_config, read_latest, read_state
-from train.files.typed import damaged, read_json, read_tensors, read_text, safetensors_metadata, tensor_shapes, typed
+from train.files.typed import damaged, read_config, read_json, read_tensors, read_text, safetensors_metadata, tensor_shapes, typed
 from train.files.weights import read_weights
 
-__all__ = ["CheckpointState", "as_os_error", "LatentStats", "LatentsMeta", "TableHeader", "check_weights", "damaged", "read_checkpoint_config",
+__all__ = ["CheckpointState", "as_os_error", "LatentStats", "LatentsMeta", "TableHeader", "check_weights", "damaged", "read_checkpoint_config", "read_config",
            "read_header", "read_json", "read_latest", "read_meta", "read_metrics", "read_reference", "read_state", "read_stats",
            "read_tensors", "read_text", "read_weights", "safetensors_metadata", "tensor_shapes", "typed",
            "write_atomic"]

@@ -17,9 +17,9 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 # The one sentence of a refused file, and reading text and JSON, are the model packages' too (backbones/files.py).
-from backbones.files import damaged, read_json, read_tensors, read_text, safetensors_metadata, tensor_shapes
+from backbones.files import damaged, read_config, read_json, read_tensors, read_text, safetensors_metadata, tensor_shapes
 
-__all__ = ["MISSING", "damaged", "finite", "read_json", "read_tensors", "read_text", "safetensors_metadata", "tensor_shapes", "typed"]
+__all__ = ["MISSING", "damaged", "finite", "read_config", "read_json", "read_tensors", "read_text", "safetensors_metadata", "tensor_shapes", "typed"]
 
 
 _KIND = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list", dict: "an object"}
