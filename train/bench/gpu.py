@@ -147,7 +147,9 @@ def official(s: Settings) -> dict:
 
 def sections(s: Settings) -> list[Section]:
     """Every section, the default set first in order of importance, with its time on one H100 (compiles included,
-    three rounds of timing): correctness, then the DiT goals, the trainer, the kernels and the scan families.
+    three rounds of timing): the families' and DiT's attention checks, the DiT goals and the trainer (about 450 s by
+    these estimates, so the default budget of 480 s reaches them), then the scan kernels' checks and speed and the
+    scan families (about 585 s more: a second call).
 
     Estimates, from the section times of the H100 reports (docs/reports/2026-11-26-h100-gpu-check.md): kernels 90 s,
     families 13, kernel-speed 78-95, rwkv-S 202, mamba-S 134, dit-S 58 (h100-2026-11-26b); dit-XL-official 214 (our
@@ -159,7 +161,6 @@ def sections(s: Settings) -> list[Section]:
                             partial(official, s))] if s.tread else []
     xl_tread = [Section("dit-XL-tread", "DiT-XL/2, TREAD, batch 64", "steps", 175, partial(step, s, "dit", "XL", "random", 64))]
     return [
-        Section("kernels", "Triton kernels against their references", "kernel_checks", 90, partial(kernel_checks, s)),
         Section("families", "every family on the device against the CPU", "family_checks", 15, partial(family_checks, s)),
         # Not run on a GPU yet: three eager DiT-XL/2 builds and steps at batch 4, guessed.
         Section("attention", "DiT-XL/2's attention on the flash kernel at every routed shape", "attention_checks", 20,
@@ -171,6 +172,8 @@ def sections(s: Settings) -> list[Section]:
         Section("dit-B-tread", "DiT-B/2, TREAD, batch 128, 32x32x3", "steps", 75, partial(step, s, "dit", "B", "random", 128, 3)),
         Section("trainer", "python -m train against the bare step (DiT-B/2, batch 128)", "trainer", 80, partial(trainer, s),
                 needs_remaining=True),
+        # The scan kernels' checks before their speed: a wrong kernel's time means nothing.
+        Section("kernels", "Triton kernels against their references", "kernel_checks", 90, partial(kernel_checks, s)),
         # 78-95 s measured with the fp32 rows; since 0f6b02f it also tunes 3x the backward configs and times the 64-step
         # scan, and now leaves the fp32 rows to kernel-speed-fp32: guessed.
         Section("kernel-speed", "kernels at their reference shapes, bf16", "kernel_speed", 100, partial(kernel_speed, s)),
@@ -187,7 +190,7 @@ def sections(s: Settings) -> list[Section]:
     ]
 
 
-SECTION_NAMES = ("kernels", "families", "attention", "dit-XL-tread", "dit-XL-sprint", "dit-B-tread", "trainer", "kernel-speed", "dit-S",
+SECTION_NAMES = ("families", "attention", "dit-XL-tread", "dit-XL-sprint", "dit-B-tread", "trainer", "kernels", "kernel-speed", "dit-S",
                  "mamba-S", "rwkv-S", "dit-B-sprint", "kernel-speed-fp32", "dit-XL-tread-b128")
 OPTIONAL_SECTIONS = ("dit-XL-official",)  # only with --tread
 OPT_IN = ("dit-B-sprint", "kernel-speed-fp32", "dit-XL-tread-b128")  # run only when --sections names them

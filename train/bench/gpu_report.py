@@ -205,7 +205,7 @@ TABLES = {
               lambda r: f"| {r['section']} | {r['backbone']}-{r['preset']}/2 ({r['tokens']} tokens, {r['channels']} ch) | {r['policy']} {r['route']} | "
                         f"{r['batch']} | {_mode(r)} | {_ranged(r, 'ms_unrouted', '.1f')} | {_ranged(r, 'ms_routed', '.1f')} | {r['ideal']:.2f}x | "
                         f"{r['measured']:.2f}x | {_ranged(r, 'efficiency', '.2f')} | {_ranged(r, 'mfu_unrouted', '.1%')} | "
-                        f"{_ranged(r, 'mfu_routed', '.1%')} | {_f(r.get('first_s'), '.0f')} ({_f(r['graphs'], 'd')}) |"),
+                        f"{_ranged(r, 'mfu_routed', '.1%')} | {_f(r.get('first_s'), '.1f')} ({_f(r['graphs'], 'd')}) |"),
     "attention_checks": ("| check | recipe | shape | SDPA calls | shapes | flash only (torch) | what keeps flash out | result |",
                          lambda r: f"| {r['check']} | {r['recipe']} | {r['shape']} | {r['calls']} | {'; '.join(r['shapes'])} | "
                                    f"{'yes' if r['torch_flash_only'] else 'no (CPU)'} | {'; '.join(r['blockers']) or '-'} | "
