@@ -1,14 +1,17 @@
-"""The whole GPU check in one command: correctness first, then every speed row of docs/performance.md.
+"""The whole GPU check in one command: every goal of docs/performance.md, each decided on repeated rounds.
 
-    python -m train.bench.gpu --out docs/gpu/h100-2026-11-27         # about 8 minutes on one H100 (a guess)
-    python -m train.bench.gpu --sections kernels families --out runs/gpu   # correctness only
-    python -m train.bench.gpu --dry-run --out runs/gpu-dry            # every section at tiny shapes on the CPU
+    python -m train.bench.gpu --out docs/gpu/h100-2026-11-27 --tread tread-official   # the DiT goals and the trainer in 8 minutes
+    python -m train.bench.gpu --out ... --sections kernels kernel-speed dit-S mamba-S rwkv-S  # the scan goals (about 10 minutes)
+    python -m train.bench.gpu --sections families attention kernels --out runs/gpu    # correctness only
+    python -m train.bench.gpu --dry-run --out runs/gpu-dry                            # every section at tiny shapes on the CPU
 
 Sections run in order of importance, each started only if its estimated time still fits the budget (--budget-s);
 one that does not fit is skipped with a line saying so, and one that runs far past its estimate or the budget is
 stopped (train/bench/gpu_budget.py). A failed check or a section that raises is a line of the report, and the
-run goes on. It writes report.md and report.json into --out: device, versions, commit, every check and row, what
-was skipped, and the issue goals the rows decide. The training steps are train.bench.routing's own rows, in the
+run goes on. Every speed row times --rounds rounds (at least 3) and a goal is met or missed only when the whole
+range is (train/bench/spread.py); --profile adds where each step's time goes (train/bench/gpu_profile.py). It writes
+report.md and report.json into --out: device, versions, commit, every check and row, what was skipped or left out
+(the opt-in sections), and the goals the rows decide. The training steps are train.bench.routing's own rows, in the
 compile mode given (default: the best it offers). On a machine without a GPU the dry run takes the kernels
 through Triton's interpreter (TRITON_INTERPRET=1, set here before triton is imported).
 """
