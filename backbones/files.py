@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 
 from routing.errors import FileError
 
-__all__ = ["damaged", "read_config", "read_json", "read_tensors", "read_text", "safetensors_metadata", "tensor_shapes"]
+__all__ = ["damaged", "read_config", "read_head", "read_json", "read_tensors", "read_text", "safetensors_metadata", "tensor_shapes"]
 
 
 def damaged(path: str | os.PathLike, problem: str, fix: str) -> FileError:
@@ -25,10 +26,10 @@ def damaged(path: str | os.PathLike, problem: str, fix: str) -> FileError:
     return FileError(f"'{path}' {problem}; {fix}.")
 
 
-def read_text(path: str | os.PathLike, fix: str) -> str:
-    """The UTF-8 text of `path`; a missing, unreadable or binary file is refused."""
+def _read(path: str | os.PathLike, fix: str, read: Callable[[Path], Any]) -> Any:
+    """read(path), with a missing, unreadable or binary file refused."""
     try:
-        return Path(path).read_text(encoding="utf-8")
+        return read(Path(path))
     except FileNotFoundError:
         raise damaged(path, "does not exist", fix) from None
     except IsADirectoryError:
@@ -39,6 +40,21 @@ def read_text(path: str | os.PathLike, fix: str) -> str:
         raise damaged(path, "is not a text file", fix) from None
     except OSError as err:
         raise damaged(path, f"cannot be read ({err.strerror or type(err).__name__})", fix) from None
+
+
+def read_text(path: str | os.PathLike, fix: str) -> str:
+    """The UTF-8 text of `path`; a missing, unreadable or binary file is refused."""
+    return _read(path, fix, lambda p: p.read_text(encoding="utf-8"))
+
+
+def read_head(path: str | os.PathLike, fix: str, size: int = 8) -> bytes:
+    """The first `size` bytes of `path` (b"" when it is empty), to tell a file's kind by them; a missing or unreadable
+    file is refused."""
+    def head(p: Path) -> bytes:
+        with open(p, "rb") as f:
+            return f.read(size)
+
+    return _read(path, fix, head)
 
 
 def read_json(path: str | os.PathLike, fix: str) -> Any:

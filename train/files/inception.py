@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from train.files.typed import damaged
+from train.files.typed import damaged, read_head
 
 # torch.save writes a zip archive; files from before PyTorch 1.6 are a pickle stream (protocol 2+ starts with 0x80).
 MAGIC = (b"PK\x03\x04", b"\x80")
@@ -17,15 +17,7 @@ MAGIC = (b"PK\x03\x04", b"\x80")
 
 def check_weights(path: str | os.PathLike, fix: str) -> Path:
     path = Path(path).expanduser()
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4)
-    except IsADirectoryError:
-        raise damaged(path, "is a folder, not a weights file", fix) from None
-    except FileNotFoundError:
-        raise damaged(path, "does not exist", fix) from None
-    except OSError as err:
-        raise damaged(path, f"cannot be read ({err.strerror or type(err).__name__})", fix) from None
+    head = read_head(path, fix)
     if not head.startswith(MAGIC):
         raise damaged(path, "is empty" if not head else "is not a PyTorch weights file", fix)
     return path

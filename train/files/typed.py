@@ -16,10 +16,12 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-# The one sentence of a refused file, and reading text and JSON, are the model packages' too (backbones/files.py).
-from backbones.files import damaged, read_config, read_json, read_tensors, read_text, safetensors_metadata, tensor_shapes
+# The one sentence of a refused file, and the readers of text, JSON and safetensors, are the model packages' too
+# (backbones/files.py); re-exported here for the loaders of this package.
+from backbones.files import damaged, read_config, read_head, read_json, read_tensors, read_text, safetensors_metadata, tensor_shapes
 
-__all__ = ["MISSING", "damaged", "finite", "read_config", "read_json", "read_tensors", "read_text", "safetensors_metadata", "tensor_shapes", "typed"]
+__all__ = ["MISSING", "damaged", "finite", "read_config", "read_head", "read_json", "read_tensors", "read_text", "safetensors_metadata",
+           "tensor_shapes", "typed"]
 
 
 _KIND = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list", dict: "an object"}

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from train.files.typed import damaged, read_tensors
 from routing.errors import FileError
 from train.files.inception import MAGIC
+from train.files.typed import damaged, read_head, read_tensors
 
 
 def read_weights(path: str | os.PathLike, fix: str) -> dict[str, torch.Tensor]:
@@ -25,15 +25,7 @@ def read_weights(path: str | os.PathLike, fix: str) -> dict[str, torch.Tensor]:
     path = Path(path).expanduser()
     if path.suffix == ".safetensors":
         return read_tensors(path, fix)
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-    except IsADirectoryError:
-        raise damaged(path, "is a folder, not a weights file", fix) from None
-    except FileNotFoundError:
-        raise damaged(path, "does not exist", fix) from None
-    except OSError as err:
-        raise damaged(path, f"cannot be read ({err.strerror or type(err).__name__})", fix) from None
+    head = read_head(path, fix)
     if not head:
         raise damaged(path, "is empty", fix)
     if not head.startswith(MAGIC):  # safetensors under another name, or neither
