@@ -43,7 +43,8 @@ forward did. Autotuning picks only the channels per program and the warps, which
 Bytes at B64 T256 C384 bf16 (`traffic`): forward 101 MB, backward 189 MB, 289 MB in all, 86 us at an H100's
 3.35 TB/s; the goal is 400 us. The chunk scratch (aggregates and carries, 6 + 10 floats per chunk slot) is
 about 40% of it; longer chunks would cut it but hold more rows in registers: with 16 rows the backward's main
-kernel, which holds eight (16, BLOCK_C) tiles, takes 216 of a thread's 255 registers (ptxas, sm_90).
+kernel, which holds eight (16, BLOCK_C) tiles, takes 218 (bf16) to 238 (fp32) of a thread's 255 registers (ptxas,
+sm_90, built as launched).
 
 Numerics (why fp32 is enough). Every carry is (integer log-scale h, mantissas): the value is e^h times the
 mantissas. h follows the carry's magnitude (log-sum-exp style, max of the decayed scale and the new term) and is
@@ -85,6 +86,14 @@ _GROUP = 2 if os.environ.get("TRITON_INTERPRET") == "1" else 16
 _GROUP_PARTS = min(_GROUP, 8)  # the walk over a group, as unrolled copies of a 2-step loop (wkv_triton_walks._PARTS)
 
 
+# Integer arguments the JIT must not specialise. At launch Triton marks every integer divisible by 16 (C = 384,
+# T = 256, ...) as such, which lets it vectorise the (16, BLOCK_C) loads along channels (8 bf16 or 4 fp32 per
+# thread): a chunk's 16 rows then spread over 8 or 4 lanes and every row pick becomes shuffles and barriers (sm_90,
+# bf16 `_bwd_kernel`: 3,648 shuffles and 241 barriers at B64 T256 C384, against 0 and 0 with these left as plain
+# integers; `train.bench.kernel_compile` builds the kernels as launched). They only feed masks and addresses.
+_SHAPE_ARGS = ["B", "T", "C", "n_chunks"]
+
+
 def chunk_len(T: int) -> int:
     """Tokens per chunk: fixed (not autotuned), so the backward cuts the sequence where the forward did."""
     return 16
@@ -103,7 +112,7 @@ def _configs() -> list[triton.Config]:
 
 
 @triton.autotune(configs=_configs(), key=["T", "C"])
-@triton.jit
+@triton.jit(do_not_specialize=_SHAPE_ARGS)
 def _fwd_sums_kernel(w_ptr, k_ptr, v_ptr, agg_ptr, B, T, C, n_chunks, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """(6, B, n, C) aggregates [scale, num, den] of each chunk: as the next chunk's first token sees it (left
     side, fields 0-2) and as the previous chunk's last token sees it (right side, fields 3-5)."""
@@ -117,7 +126,7 @@ def _fwd_sums_kernel(w_ptr, k_ptr, v_ptr, agg_ptr, B, T, C, n_chunks, BLOCK_T: t
         tl.store(agg_ptr + slot + i * field, sums[i], mask=col_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SHAPE_ARGS)
 def _combine_kernel(w_ptr, agg_ptr, carry_ptr, B, n_chunks, C, FIELDS: tl.constexpr, BLOCK_T: tl.constexpr,
                     BLOCK_C: tl.constexpr, GROUP: tl.constexpr, PARTS: tl.constexpr):
     """Carries entering each chunk from (FIELDS, B, n, C) chunk aggregates, left side ascending, right side
@@ -173,7 +182,7 @@ def _combine_kernel(w_ptr, agg_ptr, carry_ptr, B, n_chunks, C, FIELDS: tl.conste
 
 
 @triton.autotune(configs=_configs(), key=["T", "C"])
-@triton.jit
+@triton.jit(do_not_specialize=_SHAPE_ARGS)
 def _fwd_kernel(w_ptr, u_ptr, k_ptr, v_ptr, carry_ptr, y_ptr, B, T, C, n_chunks,
                 BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     b = tl.program_id(0)
@@ -187,7 +196,7 @@ def _fwd_kernel(w_ptr, u_ptr, k_ptr, v_ptr, carry_ptr, y_ptr, B, T, C, n_chunks,
 
 
 @triton.autotune(configs=_configs(), key=["T", "C"])
-@triton.jit
+@triton.jit(do_not_specialize=_SHAPE_ARGS)
 def _bwd_sums_kernel(w_ptr, u_ptr, k_ptr, v_ptr, gy_ptr, fcarry_ptr, agg_ptr, B, T, C, n_chunks,
                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """(10, B, n, C) backward aggregates [scale, R_a, R_b, R'_a, R'_b] of each chunk, left side then right."""
@@ -206,7 +215,7 @@ def _bwd_sums_kernel(w_ptr, u_ptr, k_ptr, v_ptr, gy_ptr, fcarry_ptr, agg_ptr, B,
 
 
 @triton.autotune(configs=_configs(), key=["T", "C"])
-@triton.jit
+@triton.jit(do_not_specialize=_SHAPE_ARGS)
 def _bwd_kernel(w_ptr, u_ptr, k_ptr, v_ptr, gy_ptr, fcarry_ptr, bcarry_ptr, dk_ptr, dv_ptr, part_ptr,
                 B, T, C, n_chunks, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     b = tl.program_id(0)

@@ -11,16 +11,21 @@ kernel's PTX with the flags Triton itself passes; shared memory is what Triton a
 spills registers to local memory or cannot compile is one an autotuner on a real card would time or crash on,
 so the exit status is 1 when any row failed to compile or spilled.
 
-Shapes fixed at compile time are the reference ones (the longest scan chunk, CHUNK = 256, and the short one,
-CHUNK = 64, each with the configs made for it, with n = 16 states,
-every channels-per-program CPP the scan's backward may pick at batch 64 and 768 channels; WKV chunks of 16 tokens, combine groups of 16), the worst case for
-registers. Integer arguments are left unspecialised and pointers are 16-byte aligned, as torch allocates them.
+Each kernel is built as Triton's JIT builds it at launch, at the reference shapes (`SCAN_SHAPE`, `WKV_SHAPE`:
+the selective scan at b64 d768 L256 N16 with the longest chunk, CHUNK = 256, and the short one, CHUNK = 64, each
+with the configs made for it and every channels-per-program CPP its backward may pick; Bi-WKV at B64 T256 C384,
+chunks of 16 tokens, combine groups of 16). The JIT specialises its integer arguments by value: a multiple of 16
+gets a divisibility-16 hint, which lets loads be vectorised and so changes the layouts, and 1 becomes a
+constant; pointers from torch are 16-byte aligned. A build without those hints is not the one that runs, so the
+arguments go through the JITFunction's own binder (its `do_not_specialize` list included) and `_pack_args`,
+which yield the signature, constants and attributes a launch would compile with (`launch_build`).
 Set TRITON_INTERPRET=0 (or leave it unset): under the interpreter the kernels are Python, not compilable.
 
-The last columns read the SASS (`cuobjdump` from the wheel): instructions, exponentials (MUFU.EX2) and selects
-(FSEL). They show without a GPU whether a walk was unrolled and its row picks folded (backbones/ops/
-wkv_triton_walks.py `_PARTS`). `s` is the compile time, Triton's cache bypassed (TRITON_ALWAYS_COMPILE=1): what
-an autotuner pays per config on first use, on this machine's CPU.
+The last columns read the SASS (`cuobjdump` from the wheel): instructions, exponentials (MUFU.EX2), selects
+(FSEL), warp shuffles (SHFL) and barriers (BAR). They show without a GPU whether a walk was unrolled and its
+row picks folded (backbones/ops/wkv_triton_walks.py `_PARTS`), and whether a tile's rows stayed in one thread
+(no shuffle, no barrier) or were spread over lanes and warps. `s` is the compile time, Triton's cache bypassed
+(TRITON_ALWAYS_COMPILE=1): what an autotuner pays per config on first use, on this machine's CPU.
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ _FLAG_NAMES = {"HAS_D": "D", "HAS_Z": "z", "HAS_BIAS": "bias", "SOFTPLUS": "soft
 _FP32_POINTERS = {"A_ptr", "D_ptr", "bias_ptr", "states_ptr", "dA_ptr", "dB_ptr", "dC_ptr", "dD_ptr", "dbias_ptr",
                   "w_ptr", "u_ptr", "agg_ptr", "carry_ptr", "fcarry_ptr", "bcarry_ptr", "part_ptr"}
 _WKV_FP32 = {"u_ptr"}  # WKV's u is the (C,) bonus (fp32); the scan's u is the (b, d, l) input
+# The reference shapes the integer arguments take (the scan's n_chunks and slots follow from them, `cases`).
+SCAN_SHAPE = dict(batch=64, d=768, g=1, L=256, N=16)
+WKV_SHAPE = dict(B=64, T=256, C=384)
 
 
 @dataclass
@@ -60,6 +68,7 @@ class Case:
     constexprs: dict
     options: dict  # num_warps, num_stages, num_ctas
     dtype: str
+    ints: dict  # the integer arguments' values at the reference shape, by name
 
     @property
     def config(self) -> str:
@@ -89,42 +98,58 @@ def _tuned(autotuner, fixed: dict, shape: dict | None = None):
 
 def cases(dtypes: list[str], flag_sets: dict[str, dict], kernels: str = "") -> list[Case]:
     """Every (kernel, autotune config, dtype, flags) to compile; `kernels` filters by substring of the name."""
+    import triton
+
     from backbones.ops import selective_scan_triton as scan
     from backbones.ops import wkv_triton as wkv
 
+    b, d, g, L = (SCAN_SHAPE[k] for k in ("batch", "d", "g", "L"))
+    slots = triton.cdiv(d // g, min(scan.backward_cpps(b, g, d // g)))  # as scan_backward allocates them
+    wkv_ints = dict(WKV_SHAPE, n_chunks=triton.cdiv(WKV_SHAPE["T"], wkv.chunk_len(WKV_SHAPE["T"])))
     found = []
     for dtype in dtypes:
         for (name, flags), chunk in itertools.product(flag_sets.items(), (scan.MAX_CHUNK, scan.SHORT_CHUNK)):
             fixed, variant = dict(flags, EXP2=True, BLOCK_N=16, CHUNK=chunk), f"{dtype} {name} L{chunk}"
+            ints = dict(SCAN_SHAPE, n_chunks=triton.cdiv(L, chunk), slots=slots)
             for constexprs, options in _tuned(scan.fwd_kernel, dict(fixed, STORE_STATES=True)):
-                found.append(Case("scan.fwd", scan.fwd_kernel.fn, variant, constexprs, options, dtype))
-            for constexprs, options in _tuned(scan.bwd_kernel, fixed, dict(batch=64, g=1, d=768)):
-                found.append(Case("scan.bwd", scan.bwd_kernel.fn, variant, constexprs, options, dtype))
+                found.append(Case("scan.fwd", scan.fwd_kernel.fn, variant, constexprs, options, dtype, ints))
+            for constexprs, options in _tuned(scan.bwd_kernel, fixed, SCAN_SHAPE):
+                found.append(Case("scan.bwd", scan.bwd_kernel.fn, variant, constexprs, options, dtype, ints))
         for kname, autotuner in (("wkv.fwd_sums", wkv._fwd_sums_kernel), ("wkv.fwd", wkv._fwd_kernel),
                                  ("wkv.bwd_sums", wkv._bwd_sums_kernel), ("wkv.bwd", wkv._bwd_kernel)):
             for constexprs, options in _tuned(autotuner, dict(BLOCK_T=16)):
-                found.append(Case(kname, autotuner.fn, dtype, constexprs, options, dtype))
+                found.append(Case(kname, autotuner.fn, dtype, constexprs, options, dtype, wkv_ints))
         if dtype == dtypes[0]:  # the combine walk reads only fp32 scratch, at the one launch config wkv uses
             for fields in (6, 10):
                 found.append(Case(f"wkv.combine{fields}", wkv._combine_kernel, "fp32 scratch",
                                   dict(FIELDS=fields, BLOCK_T=16, BLOCK_C=32, GROUP=wkv._GROUP, PARTS=wkv._GROUP_PARTS),
-                                  dict(num_warps=1, num_stages=3, num_ctas=1), "fp32"))
+                                  dict(num_warps=1, num_stages=3, num_ctas=1), "fp32", wkv_ints))
     return [c for c in found if kernels in c.kernel]
 
 
-def _signature(case: Case) -> tuple[dict, dict]:
-    """Triton types of the kernel's arguments, and 16-byte alignment hints on every pointer."""
+def launch_build(case: Case, arch: int):
+    """(ASTSource, options) of the kernel the JIT compiles when `case` is launched on sm_<arch>: the arguments go
+    through the JITFunction's binder (Triton's specialisation rule and the kernel's do_not_specialize list) and
+    `_pack_args`, as `JITFunction.run` does. Pointers are empty meta tensors of their dtype (address 0: 16-byte
+    aligned, as torch's allocations are)."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
     fp32 = _FP32_POINTERS - (set() if case.kernel.startswith("wkv") else _WKV_FP32)
-    signature, attrs = {}, {}
-    for i, arg in enumerate(case.fn.arg_names):
-        if arg in case.constexprs:
-            signature[arg] = "constexpr"
-        elif arg.endswith("_ptr"):
-            signature[arg] = "*fp32" if arg in fp32 else f"*{DTYPES[case.dtype]}"
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            signature[arg] = "i32"
-    return signature, attrs
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    kwargs = dict(case.constexprs, **case.options)
+    for arg in case.fn.arg_names:
+        if arg.endswith("_ptr"):
+            kwargs[arg] = torch.empty(0, dtype=torch.float32 if arg in fp32 else dtype[case.dtype], device="meta")
+        elif arg not in case.constexprs:
+            kwargs[arg] = case.ints[arg]
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    bound, specialization, options = create_function_from_signature(case.fn.signature, case.fn.params, backend)(**kwargs)
+    options, signature, constexprs, attrs = case.fn._pack_args(backend, kwargs, bound, specialization, options)
+    return triton.compiler.ASTSource(fn=case.fn, signature=signature, constexprs=constexprs, attrs=attrs), options
 
 
 @dataclass
@@ -136,7 +161,7 @@ class Row:
     shared: int = -1
     seconds: float = 0.0
     error: str = ""
-    sass: dict = None  # instruction counts: all, MUFU.EX2, FSEL
+    sass: dict = None  # instruction counts: all, MUFU.EX2, FSEL, SHFL, BAR
 
 
 def compile_case(case: Case, arch: int) -> Row:
@@ -146,10 +171,9 @@ def compile_case(case: Case, arch: int) -> Row:
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
     start = time.perf_counter()
-    signature, attrs = _signature(case)
     try:
-        src = triton.compiler.ASTSource(fn=case.fn, signature=signature, constexprs=case.constexprs, attrs=attrs)
-        kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(case.options))
+        src, options = launch_build(case, arch)
+        kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options.__dict__)
         compiled_s = time.perf_counter() - start
     except Exception as err:  # a compile failure is a result of this tool: report it in the table
         return Row(case, seconds=time.perf_counter() - start, error=f"{type(err).__name__}: {str(err).strip()[:300]}")
@@ -169,19 +193,23 @@ def compile_case(case: Case, arch: int) -> Row:
 
 
 def _sass_counts(ptxas: str, cubin: bytes, tmp: str) -> dict:
-    """Instructions, exponentials and selects in the kernel's SASS, by the cuobjdump beside the wheel's ptxas."""
+    """Instructions, exponentials, selects, shuffles and barriers in the kernel's SASS, by the cuobjdump beside the
+    wheel's ptxas."""
     path = os.path.join(tmp, "kernel.cubin")
     with open(path, "wb") as f:
         f.write(cubin)
     listing = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass", path], capture_output=True,
                              text=True, check=True).stdout
-    code = [line for line in listing.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
-    return {"all": len(code), "exp": sum("MUFU.EX2" in line for line in code), "sel": sum("FSEL" in line for line in code)}
+    # "/*0040*/  @!P0 SHFL.BFLY PT, R2, R0, 0x10, 0x1f ;": the opcode follows the offset and an optional predicate.
+    ops = [m.group(1) for line in listing.splitlines()
+           if (m := re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_.]*)", line))]
+    return {"all": len(ops), "exp": ops.count("MUFU.EX2"), "sel": sum(op.startswith("FSEL") for op in ops),
+            "shfl": sum(op.startswith("SHFL") for op in ops), "bar": sum(op.split(".")[0] == "BAR" for op in ops)}
 
 
 def table(rows: list[Row]) -> str:
     head = (f"{'kernel':<14} {'variant':<26} {'config':<18} {'regs':>5} {'spill st/ld (B)':>16} {'shared (B)':>11} {'s':>5} "
-            f"{'SASS':>6} {'exp':>5} {'sel':>5}")
+            f"{'SASS':>6} {'exp':>5} {'sel':>5} {'shfl':>5} {'bar':>4}")
     lines = [head, "-" * len(head)]
     for r in rows:
         c = r.case
@@ -190,7 +218,8 @@ def table(rows: list[Row]) -> str:
         else:
             spill = f"{r.spill_stores}/{r.spill_loads}"
             lines.append(f"{c.kernel:<14} {c.variant:<26} {c.config:<18} {r.registers:>5} {spill:>16} {r.shared:>11} "
-                         f"{r.seconds:>5.1f} {r.sass['all']:>6} {r.sass['exp']:>5} {r.sass['sel']:>5}")
+                         f"{r.seconds:>5.1f} {r.sass['all']:>6} {r.sass['exp']:>5} {r.sass['sel']:>5} "
+                         f"{r.sass['shfl']:>5} {r.sass['bar']:>4}")
     return "\n".join(lines)
 
 
@@ -219,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     todo = cases(dtypes, _flag_sets(args.flags), args.kernels)
     if not todo:
         raise ConfigError(f"--kernels: no kernel name contains {args.kernels!r}; try scan, wkv, scan.bwd or wkv.combine")
-    print(f"compiling {len(todo)} kernel configs for sm_{args.arch} (Triton AOT, no GPU needed)", flush=True)
+    print(f"compiling {len(todo)} kernel configs for sm_{args.arch} as launched at the reference shapes "
+          "(Triton AOT, no GPU needed)", flush=True)
     rows = []
     for case in todo:
         rows.append(compile_case(case, args.arch))
