@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from backbones.ops.autocast import fp32_operator
+from backbones.ops.op_inputs import OpInputError, check_float, check_shape
 
 # Elements per step (b * d * n) from which streaming one step at a time is fastest on a CPU: below it,
 # Python's per-op overhead dominates and the chunked form, with sqrt(l) times fewer sequential steps,
@@ -260,6 +261,36 @@ class _StreamingScan(torch.autograd.Function):
         return to_bdl(grad_u), to_bdl(grad_delta), grad_A, to_bgnl(grad_B), to_bgnl(grad_C), None
 
 
+def check_scan_inputs(u, delta, A, B, C, D=None, z=None, delta_bias=None) -> None:
+    """Refuses, in one sentence (OpInputError), arguments the scan would misread: shapes as in the module docstring,
+    real floating-point tensors on u's device, and at least one step."""
+    op = "selective scan"
+    if not isinstance(u, torch.Tensor) or u.dim() != 3:
+        got = f"shape {tuple(u.shape)}" if isinstance(u, torch.Tensor) else type(u).__name__
+        raise OpInputError(f"{op}: u must be (batch, channels, length), got {got}; add the missing dimension "
+                           f"(e.g. u[None] for one sequence).")
+    check_float(op, u.device, u=u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=delta_bias)
+    b, d, l = u.shape
+    if l == 0:
+        raise OpInputError(f"{op}: u has length 0 (shape {tuple(u.shape)}); a scan needs at least one step.")
+    check_shape(op, "delta", delta, u.shape, "u's (batch, channels, length)")
+    check_shape(op, "z", z, u.shape, "u's (batch, channels, length)")
+    if A.dim() != 2 or A.shape[0] != d or A.shape[1] == 0:
+        raise OpInputError(f"{op}: A has shape {tuple(A.shape)}, expected (channels, states) = ({d}, n) with n >= 1.")
+    n = A.shape[1]
+    if B.dim() != C.dim() or B.dim() not in (3, 4) or B.shape != C.shape:
+        raise OpInputError(f"{op}: B and C must both be (batch, n, length) or (batch, groups, n, length); got "
+                           f"{tuple(B.shape)} and {tuple(C.shape)}.")
+    g = B.shape[1] if B.dim() == 4 else 1
+    if g == 0 or d % g:
+        raise OpInputError(f"{op}: channels d={d} are not divisible by the {g} groups of B and C.")
+    check_shape(op, "B", B, (b, g, n, l) if B.dim() == 4 else (b, n, l),
+                "(batch, groups, n, length)" if B.dim() == 4 else "(batch, n, length)")
+    check_shape(op, "C", C, B.shape, "B's shape")
+    check_shape(op, "D", D, (d,), "(channels,)")
+    check_shape(op, "delta_bias", delta_bias, (d,), "(channels,)")
+
+
 def _prepare(
     u: torch.Tensor,
     delta: torch.Tensor,
@@ -268,11 +299,7 @@ def _prepare(
     delta_bias: torch.Tensor | None,
     delta_softplus: bool,
 ) -> tuple[torch.dtype, torch.Tensor]:
-    """Checks B, C; returns the compute dtype (fp32, or fp64 for fp64 u) and the processed step sizes."""
-    if B.dim() != C.dim() or B.dim() not in (3, 4):
-        raise ValueError(f"B and C must both be (b, n, l) or (b, g, n, l); got {tuple(B.shape)} and {tuple(C.shape)}")
-    if B.dim() == 4 and u.shape[1] % B.shape[1]:
-        raise ValueError(f"channels d={u.shape[1]} are not divisible by the {B.shape[1]} groups of B and C")
+    """Returns the compute dtype (fp32, or fp64 for fp64 u) and the processed step sizes."""
     compute = torch.float64 if u.dtype == torch.float64 else torch.float32
     delta = delta.to(compute)
     if delta_bias is not None:
@@ -295,6 +322,7 @@ def selective_scan(
     delta_softplus: bool = False,
 ) -> torch.Tensor:
     """The selective scan (chunked, hand-written backward); computes in fp32 (fp64 for fp64 u), returns u's dtype."""
+    check_scan_inputs(u, delta, A, B, C, D, z, delta_bias)
     compute, delta = _prepare(u, delta, B, C, delta_bias, delta_softplus)
     if B.dim() == 3:
         B, C = B[:, None], C[:, None]  # (b, n, l) -> (b, 1, n, l)
@@ -328,6 +356,7 @@ def selective_scan_ref(
     delta_softplus: bool = False,
 ) -> torch.Tensor:
     """The definition, one time step at a time (autograd through the loop); for tests and benchmarks."""
+    check_scan_inputs(u, delta, A, B, C, D, z, delta_bias)
     compute, delta = _prepare(u, delta, B, C, delta_bias, delta_softplus)
     b, d, l = u.shape
     if B.dim() == 4:

@@ -69,6 +69,8 @@ from torch.autograd.function import once_differentiable
 from triton.runtime.interpreter import InterpretedFunction
 
 from backbones.ops.autocast import fp32_operator
+from backbones.ops.op_inputs import OpInputError
+from backbones.ops.selective_scan import check_scan_inputs
 from routing.errors import ConfigError
 # The @triton.jit kernels live beside this file; the combine functions are re-exported for the tests.
 from backbones.ops.selective_scan_triton_kernels import _compose, _compose_pre, _scan_bwd_kernel, _scan_fwd_kernel  # noqa: F401
@@ -251,12 +253,9 @@ def scan_backward(dout, u, delta, A, B, C, D, z, delta_bias, delta_softplus: boo
 def prepare(u, delta, A, B, C, D=None, z=None, delta_bias=None):
     """Checks shapes and device; returns the kernels' inputs: contiguous, B and C grouped (b, g, n, l),
     A / D / delta_bias in the compute dtype (fp32, or fp64 for fp64 u)."""
-    if B.dim() != C.dim() or B.dim() not in (3, 4):
-        raise ValueError(f"B and C must both be (b, n, l) or (b, g, n, l); got {tuple(B.shape)} and {tuple(C.shape)}")
-    if B.dim() == 4 and u.shape[1] % B.shape[1]:
-        raise ValueError(f"channels d={u.shape[1]} are not divisible by the {B.shape[1]} groups of B and C")
+    check_scan_inputs(u, delta, A, B, C, D, z, delta_bias)
     if not (u.is_cuda or _INTERPRETED):
-        raise ValueError("selective_scan_triton needs CUDA tensors (or TRITON_INTERPRET=1 set before import, "
+        raise OpInputError("selective_scan_triton needs CUDA tensors (or TRITON_INTERPRET=1 set before import, "
                          "for tests); on CPU use backbones.ops.selective_scan.selective_scan")
     acc = torch.float64 if u.dtype == torch.float64 else torch.float32
     if B.dim() == 3:

@@ -25,7 +25,8 @@ Why it is safe in fp32. No exponent of an unbounded quantity is taken:
   another term of the same output. Faster decays get shorter chunks, down to L = 1, where all decay lives
   in the log-scaled carries;
 - a carry enters its chunk under the tokens' scale m, capped at e^_CARRY_CAP above it (see forward).
-The bonus enters the matrix as e^u, so |u| must stay well below 88 (u = U / T is O(1 / T) in practice).
+The bonus enters the matrix as e^{u - max(u, 0)}, the weights into an output all divided by e^{max(u, 0)}, so
+any u is exact: a large u overflows nothing, a very negative one only makes the token's own weight underflow.
 Every stabiliser (m, h) is a constant that cancels exactly (the cap aside, whose effect is below fp32
 resolution), so the gradients are those of the definition.
 bf16 / fp16 inputs are computed in fp32 and returned in their dtype.
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from backbones.ops.autocast import fp32_operator
+from backbones.ops.op_inputs import OpInputError, check_float, check_shape
 
 # Largest |w| L inside one chunk: every decay factor within a chunk stays inside e^{+-12}.
 _MAX_CHUNK_DECAY = 12.0
@@ -75,8 +77,12 @@ def _chunk_matrices(w: torch.Tensor, u: torch.Tensor, L: int) -> tuple[torch.Ten
     dist = torch.cat(
         [(j[:, None] - j[None, :]).abs().flatten(), torch.cat([j + 1, L - j]), torch.stack([L - j, j + 1], 1).flatten()]
     )  # (L L + 2 L + 2 L,)
-    entries = log_table.exp().index_select(1, dist)  # (C, L L + 4 L)
-    op, op_carry, to_carry = entries.split([L * L, 2 * L, 2 * L], dim=1)
+    # The weights into an output (op, op_carry) are divided by e^{max(u, 0)}, a constant that cancels in num / den,
+    # so that e^u never overflows (u >= 88.7 in fp32); the weights into the carries (to_carry) are not scaled.
+    # Detached: each entry's gradient is taken of its log, which the constant does not change.
+    to_out = (log_table - u.detach().clamp(min=0)[:, None]).exp().index_select(1, dist[: L * L + 2 * L])
+    op, op_carry = to_out.split([L * L, 2 * L], dim=1)  # (C, L L + 2 L) -> (C, L L), (C, 2 L)
+    to_carry = log_table.exp().index_select(1, dist[L * L + 2 * L :])  # (C, 2 L)
     return op.view(-1, L, L), op_carry.view(-1, 2, L), to_carry.view(-1, L, 2), dist  # (C, ...) -> matrices
 
 
@@ -247,6 +253,22 @@ class _BiWKV(torch.autograd.Function):
         return *chunked_backward(ctx.saved_tensors, ctx.T, ctx.L, grad_y), None
 
 
+def check_wkv_inputs(w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Refuses, in one sentence (OpInputError), what the op would misread: k, v (B, T, C) of one shape with T >= 1,
+    w, u (C,), every one a floating-point tensor on k's device. Any u is fine (see the module docstring)."""
+    op = "Bi-WKV"
+    if not isinstance(k, torch.Tensor) or k.dim() != 3:
+        got = f"shape {tuple(k.shape)}" if isinstance(k, torch.Tensor) else type(k).__name__
+        raise OpInputError(f"{op}: k must be (batch, tokens, channels), got {got}; add the missing dimension "
+                           f"(e.g. k[None] for one sequence).")
+    check_float(op, k.device, w=w, u=u, k=k, v=v)
+    if k.shape[1] == 0:
+        raise OpInputError(f"{op}: k has 0 tokens (shape {tuple(k.shape)}); pass at least one token.")
+    check_shape(op, "v", v, k.shape, "k's (batch, tokens, channels)")
+    check_shape(op, "w", w, k.shape[2:], "(channels,)")
+    check_shape(op, "u", u, k.shape[2:], "(channels,)")
+
+
 # Whether triton can be imported here, found without importing it (the kernels import it on first use).
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -267,12 +289,13 @@ def bi_wkv(
     steps. It is shortened automatically for very fast decays (|w| chunk_len > 12), see the module docstring.
     """
     if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"bi_wkv backend={backend!r}: use 'auto', 'torch' or 'triton'.")
+        raise OpInputError(f"bi_wkv backend={backend!r}: use 'auto', 'torch' or 'triton'.")
+    check_wkv_inputs(w, u, k, v)
     out_dtype = torch.promote_types(k.dtype, v.dtype)
     kernels = (torch.float32, torch.bfloat16, torch.float16)
     if backend == "triton" or (backend == "auto" and k.is_cuda and out_dtype in kernels and _HAS_TRITON):
         if out_dtype not in kernels:
-            raise ValueError(f"bi_wkv's Triton kernels take fp32, bf16 or fp16 k and v, got {out_dtype}; use backend='torch'.")
+            raise OpInputError(f"bi_wkv's Triton kernels take fp32, bf16 or fp16 k and v, got {out_dtype}; use backend='torch'.")
         if k.numel() == 0:
             return torch.zeros_like(k, dtype=out_dtype) + 0 * (w.sum() + u.sum() + k.sum() + v.sum())
         # k and v are read in their own dtype (no fp32 copy in memory); w, u are C floats.

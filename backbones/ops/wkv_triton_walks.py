@@ -201,4 +201,6 @@ def _cols(BLOCK_C: tl.constexpr):
 def _alpha_beta(gy_ptr, offs, mask, Y, Pt, Dt):
     """[alpha, beta] = e^{-P} [g / d, -y g / d] of the recomputed forward: scale and two mantissa tiles."""
     Al = tl.where(mask, tl.load(gy_ptr + offs, mask=mask, other=0.0).to(tl.float32) / tl.where(mask, Dt, 1.0), 0.0)
-    return tl.where(mask, -Pt, _NEG), Al, -Y * Al
+    # Padding rows' y is inf / inf = nan once u >= 88 (their k is _NEG, so their scale is e^u): masked, not
+    # multiplied by zero.
+    return tl.where(mask, -Pt, _NEG), Al, tl.where(mask, -Y * Al, 0.0)
