@@ -23,9 +23,22 @@ def main(cfg: DictConfig) -> None:
     job = HydraConfig.get()
     check_yaml_booleans(job.job.config_name, list(job.overrides.task), cfg)
     refuse_steps_behind(cfg)
+    check_environment()
 
     # Hydra writes nothing before the job (configs/config.yaml); the trainer writes its record once checks passed.
     Trainer(cfg, record=HydraRecord.current(cfg)).fit()
+
+
+def check_environment() -> None:
+    """The selective scan's environment switches, checked before anything is built (backbones/ops/selective_scan_env.py):
+    a bad value is refused in one sentence, one that does nothing on this machine is named in one line."""
+    import os
+
+    from backbones.ops.selective_scan_env import check_scan_environment
+
+    for note in check_scan_environment():
+        if os.environ.get("RANK", "0") == "0":
+            print(note, file=sys.stderr)
 
 
 def refuse_steps_behind(cfg: DictConfig) -> None:
