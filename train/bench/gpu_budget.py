@@ -54,7 +54,7 @@ PROGRESS = Progress()
 
 
 def _describe(record: dict) -> str:
-    label = " ".join(str(record[k]) for k in ("kernel", "family", "precision", "shape") if k in record)
+    label = " ".join(str(record[k]) for k in ("kernel", "family", "check", "recipe", "precision", "shape") if k in record)
     outcome = "error" if "error" in record else {True: "passed", False: "FAILED"}.get(record.get("passed"), "measured")
     return f"{label}: {outcome}"
 

@@ -195,7 +195,7 @@ def measure(args, preset: str, module: ModuleType) -> dict:
     row = {"preset": preset, "tokens": model.grid[0] * model.grid[1], "batch": args.batch, "built": built,
            "route": f"r{route.start_layer_idx}->{route.end_layer_idx} x{route.selection_ratio}",
            "params_official": _trained(dit), "params_ours": _trained(model), "fp32_after_route": router.fp32_after_route,
-           "tf32": torch.backends.cuda.matmul.allow_tf32, "official_compiled": not _dynamo_off(),
+           "tf32": _tf32_on(), "official_compiled": not _dynamo_off(),
            "compile": args.compile, "cuda_graphs": args.cuda_graphs, "regions": args.compile_regions, "compile_s": first["ours"] if args.compile != "off" else None,
            "graphs": graphs if args.compile != "off" else None, "official_first_s": first["official"], "first_s": first["ours"],
            "official_graphs": official_graphs, "gflops_official": {k: v / 1e9 for k, v in flops_official.items()},
@@ -244,6 +244,15 @@ def _eager():
     """Compiled functions run eager inside (torch.compiler.set_stance), so nothing compiles under a FLOP counter."""
     with torch.compiler.set_stance("force_eager"):
         yield
+
+
+def _tf32_on() -> bool:
+    """Whether fp32 matmuls run in TF32, through whichever of torch's two switches the process uses (reading the older
+    one after the newer was set raises)."""
+    try:
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+    except RuntimeError:
+        return torch.backends.cuda.matmul.fp32_precision == "tf32"
 
 
 def _dynamo_off() -> bool:
