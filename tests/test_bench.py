@@ -426,3 +426,14 @@ def test_alignment_table_says_per_family_whether_alignment_adds_to_each_recipe()
     # A variant of an alignment is named by its label (grid.align_labels), e.g. the first self cells at weight 2.
     rows[2] |= {"align_label": "self, weight 2 (not SRA's)"}
     assert "| dit | none + self, weight 2 (not SRA's) - none | -10.0 [-12.3, -7.7] wins |" in "\n".join(recipes.markdown(rows))
+
+
+def test_an_alignment_variant_on_some_seeds_keeps_its_pair_and_its_label():
+    """A variant trained on seeds that lack the grid's first (grid.align_seeds) still has its pair (its cost is measured
+    with its first cell), and the tables name it by its label (grid.align_labels)."""
+    from train.bench.cells import Cell, pair_cells
+
+    cells = [Cell("dit", "random", s, None, False, align=a, align_label=label)
+             for s in (0, 1) for a, label in (("none", None), ("self_w2", "self, weight 2 (not SRA's)")) if a == "none" or s == 1]
+    assert [(c.key, c.seed) for c in pair_cells(cells)] == [("dit-random", 0), ("dit-random-self_w2", 1)]
+    assert cells[-1].recipe == "random + self, weight 2 (not SRA's)" and cells[0].recipe == "random"
