@@ -27,6 +27,7 @@ SOURCE = Path(__file__).with_suffix(".cu")
 CHUNK = 256  # steps per chunk: 32 lanes x 8 steps (CHUNK in the .cu)
 WARPS = 4  # channels per block (WARPS in the .cu)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_STATES = 64  # backward's shared memory: 16 KiB of rows + 2 KiB per state of dB, dC tile (+ carries)
 
 # Host side: build the kernels' Params from tensors and launch on the current stream.
 _LAUNCHERS = r"""
@@ -59,13 +60,18 @@ static Params params(const at::Tensor& u, const at::Tensor& delta, const at::Ten
   p.delta_bias = delta_bias ? delta_bias->data_ptr<float>() : nullptr;
   p.batch = u.size(0); p.d = u.size(1); p.length = u.size(2); p.groups = B.size(1); p.n = A.size(1);
   p.chunks = (p.length + tread_scan::CHUNK - 1) / tread_scan::CHUNK;
-  p.channel_blocks = (p.d / p.groups + tread_scan::WARPS - 1) / tread_scan::WARPS;
+  const int k = p.d / p.groups;
+  p.fwd_blocks = (k + tread_scan::WARPS - 1) / tread_scan::WARPS;
+  // Backward: a block sums dB, dC over up to 32 channels (8 rounds of its 4 warps), so the partials it writes are
+  // 1/32 of the per-channel terms; fewer rounds when the group has fewer channels.
+  p.rounds = std::min(8, p.fwd_blocks);
+  p.channel_blocks = (k + tread_scan::WARPS * p.rounds - 1) / (tread_scan::WARPS * p.rounds);
   p.softplus = softplus;
   return p;
 }
 
 template <typename T> static void launch_fwd(const Params& p, bool vec) {
-  dim3 grid(p.groups * p.channel_blocks, p.batch);
+  dim3 grid(p.groups * p.fwd_blocks, p.batch);
   tread_scan::scan_fwd_kernel<T><<<grid, tread_scan::WARPS * 32, tread_scan::fwd_smem(p.n),
                                    c10::cuda::getCurrentCUDAStream()>>>(p, vec);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -74,7 +80,7 @@ template <typename T> static void launch_fwd(const Params& p, bool vec) {
 template <typename T> static void launch_bwd(const Params& p, bool vec) {
   dim3 grid(p.groups * p.channel_blocks, p.batch);
   auto kernel = tread_scan::scan_bwd_kernel<T>;
-  size_t smem = tread_scan::bwd_smem(p.n);
+  size_t smem = tread_scan::bwd_smem(p.n, p.rounds);
   if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<grid, tread_scan::WARPS * 32, smem, c10::cuda::getCurrentCUDAStream()>>>(p, vec);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -180,6 +186,9 @@ def prepare(u, delta, A, B, C, D=None, z=None, delta_bias=None):
                              f"need {shape}")
     if d % g:
         raise ValueError(f"channels d={d} are not divisible by the {g} groups of B and C")
+    if n > MAX_STATES:
+        raise ValueError(f"the cuda selective scan takes at most {MAX_STATES} states (its backward keeps an (n, 512) "
+                         f"tile in shared memory), got n={n}; use TREAD_SCAN_BACKEND=triton")
     act = lambda t: t.to(u.dtype).contiguous() if t is not None else None  # noqa: E731
     fp32 = lambda t: t.float().contiguous() if t is not None else None  # noqa: E731
     return u.contiguous(), act(delta), fp32(A), act(B), act(C), fp32(D), act(z), fp32(delta_bias)
