@@ -132,6 +132,22 @@ def trainer(s: Settings, remaining: float) -> dict:
     return {"status": "measured", "records": [row], "note": note}
 
 
+def scaling_curve(s: Settings) -> dict:
+    """The cost curve (train.bench.scaling): every family and recipe from 256 to 16,384 tokens at S and B width, the
+    batch keeping 16,384 tokens per step; the dry run steps each family's recipes once at its tiny shape."""
+    from train.bench import scaling
+    from train.bench.routing import peak_tflops
+
+    if s.dry_run:
+        rows = PROGRESS.collect(scaling.dry_run(scaling.FAMILIES, (s.size // scaling.PATCH) ** 2, progress=lambda line: None))
+    else:
+        groups = scaling.grid(scaling.FAMILIES, scaling.WIDTHS, scaling.TOKENS, scaling.TOKENS_PER_STEP)
+        rows = PROGRESS.collect(scaling.timed_rows(groups, _device(s), *_repeats(s, s.repeats, s.warmup), peak_tflops(_device(s), None)))
+    misfits = sum(not r["fits"] for r in rows)
+    return {"status": "measured", "records": rows,
+            "note": f"{len(rows)} cells, {misfits} do not fit (rows in report.json; python -m train.bench.scaling plots them)"}
+
+
 def official(s: Settings) -> dict:
     """DiT-XL/2 TREAD beside CompVis/tread's DiT in one run (train.bench.official), from the copy --tread names."""
     from train.bench.official import main as side_by_side
@@ -190,13 +206,16 @@ def sections(s: Settings) -> list[Section]:
         # Issue 47's MFU goals also hold at the largest batch that fits: 128 is a guess for one 80 GB H100 (64 fitted in
         # the H100 runs; nothing searches for the largest). Not run yet: its time is guessed from dit-XL-tread's.
         Section("dit-XL-tread-b128", "DiT-XL/2, TREAD, batch 128", "steps", 190, partial(step, s, "dit", "XL", "random", 128)),
+        # Issue 46's cost curve: 96 eager cells, a Triton autotune per scan length; not run on a GPU yet, guessed.
+        Section("scaling", "every family's step from 256 to 16,384 tokens (train.bench.scaling)", "scaling", 600,
+                partial(scaling_curve, s)),
     ]
 
 
 SECTION_NAMES = ("families", "attention", "dit-XL-tread", "dit-XL-sprint", "dit-B-tread", "trainer", "kernels", "kernel-speed", "dit-S",
-                 "mamba-S", "rwkv-S", "dit-B-sprint", "kernel-speed-fp32", "dit-XL-tread-b128")
+                 "mamba-S", "rwkv-S", "dit-B-sprint", "kernel-speed-fp32", "dit-XL-tread-b128", "scaling")
 OPTIONAL_SECTIONS = ("dit-XL-official",)  # only with --tread
-OPT_IN = ("dit-B-sprint", "kernel-speed-fp32", "dit-XL-tread-b128")  # run only when --sections names them
+OPT_IN = ("dit-B-sprint", "kernel-speed-fp32", "dit-XL-tread-b128", "scaling")  # run only when --sections names them
 
 
 def default_set(s: Settings) -> list[str]:
