@@ -189,3 +189,22 @@ def test_custom_op_runs_the_cuda_kernels(compiled):
     for name, got, ref in zip(NAMES, torch.autograd.grad(out, list(inputs.values()), dout),
                               torch.autograd.grad(want, list(inputs.values()), dout)):
         torch.testing.assert_close(got, ref, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(delta=torch.zeros(2, 6, 16)), "delta has shape"),
+    (dict(A=torch.zeros(5, 4)), "A has shape"),
+    (dict(z=torch.zeros(2, 6)), "z has shape"),
+    (dict(D=torch.zeros(4)), "D has shape"),
+    (dict(u=torch.zeros(2, 6, 0), delta=torch.zeros(2, 6, 0)), "length >= 1"),
+    (dict(u=torch.zeros(6, 17)), "length >= 1"),
+    (dict(B=torch.zeros(2, 4, 4, 17), C=torch.zeros(2, 4, 4, 17)), "not divisible"),
+    (dict(A=torch.zeros(6, 65)), "at most 64 states"),
+    (dict(u=torch.zeros(2, 6, 17, dtype=torch.float64)), "float32, bfloat16 or float16"),
+])
+def test_bad_arguments_get_one_sentence(change, message):
+    inputs = _inputs(dtype=torch.float32) | change
+    if "A" in change and change["A"].shape[1] == 65:
+        inputs |= dict(B=torch.zeros(2, 65, 17), C=torch.zeros(2, 65, 17))
+    with pytest.raises(ValueError, match=message):
+        ssc.prepare(**inputs)

@@ -165,8 +165,6 @@ def states_shape(b: int, d: int, length: int, n: int) -> tuple[int, int, int, in
 def prepare(u, delta, A, B, C, D=None, z=None, delta_bias=None):
     """Checks the arguments (one sentence per fault); returns the kernels' inputs: contiguous, B and C grouped
     (b, g, n, l), delta / B / C / z in u's dtype, A / D / delta_bias in fp32."""
-    if not u.is_cuda:
-        raise ValueError("the cuda selective scan needs CUDA tensors; on a CPU use TREAD_SCAN_BACKEND=torch")
     if u.dtype not in DTYPES:
         raise ValueError(f"the cuda selective scan takes float32, bfloat16 or float16 inputs, got {u.dtype}; "
                          "use TREAD_SCAN_BACKEND=triton or torch for float64")
@@ -189,6 +187,8 @@ def prepare(u, delta, A, B, C, D=None, z=None, delta_bias=None):
     if n > MAX_STATES:
         raise ValueError(f"the cuda selective scan takes at most {MAX_STATES} states (its backward keeps an (n, 512) "
                          f"tile in shared memory), got n={n}; use TREAD_SCAN_BACKEND=triton")
+    if not u.is_cuda:
+        raise ValueError("the cuda selective scan needs CUDA tensors; on a CPU use TREAD_SCAN_BACKEND=torch")
     act = lambda t: t.to(u.dtype).contiguous() if t is not None else None  # noqa: E731
     fp32 = lambda t: t.float().contiguous() if t is not None else None  # noqa: E731
     return u.contiguous(), act(delta), fp32(A), act(B), act(C), fp32(D), act(z), fp32(delta_bias)
