@@ -99,6 +99,14 @@ __device__ __forceinline__ void store_steps(T* row, int t0, int length, bool vec
   }
 }
 
+// 2^x by the hardware's approximation (2 ulp), flushing results below 2^-126 to zero: a decay that small is zero to
+// fp32 anyway, and exp2f's denormal handling costs three more instructions per step.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ float softplus(float v) { return v > 20.f ? v : log1pf(__expf(v)); }
 __device__ __forceinline__ float sigmoid(float v) { return 1.f / (1.f + __expf(-v)); }
 
@@ -171,7 +179,7 @@ __global__ void __launch_bounds__(WARPS * LANES) scan_fwd_kernel(Params p, bool 
       float P = 1.f, Q = 0.f;
       #pragma unroll
       for (int i = 0; i < STEPS; ++i) {
-        a[i] = exp2f(dt[i] * A2);
+        a[i] = exp2_ftz(dt[i] * A2);
         x[i] *= w[i];  // x_t = delta_t u_t B_t
         Q = a[i] * Q + x[i];
         P *= a[i];
@@ -270,7 +278,7 @@ __global__ void __launch_bounds__(WARPS * LANES) scan_bwd_kernel(Params p, bool 
         float P = 1.f, Q = 0.f;
         #pragma unroll
         for (int i = 0; i < STEPS; ++i) {
-          a[i] = exp2f(dt[i] * A2);
+          a[i] = exp2_ftz(dt[i] * A2);
           Q = a[i] * Q + w[i] * Bv[i];
           P *= a[i];
         }
