@@ -122,6 +122,24 @@ def test_rerun_skips_finished_shards_and_refuses_other_settings(cached, tmp_path
         cache_latents(cache_args(cached["images"], out, cached["vae"], "--size", "32"))
 
 
+def test_a_finished_shard_cut_short_is_named_before_the_rerun_writes_anything(cached, tmp_path, capsys):
+    """A rerun takes a present shard as finished; one cut short (a copy that stopped) is one sentence naming it, exit 2,
+    with meta.json and every shard as they were."""
+    from train.cli import friendly_errors
+
+    out = tmp_path / "out"
+    shutil.copytree(cached["out"], out)
+    shard = out / "shard-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(SystemExit) as exit_:
+        friendly_errors(lambda: cache_latents(cache_args(cached["images"], out, cached["vae"])))()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"error: '{shard}' is cut short or damaged" in err and "rewrites missing shards" in err
+    assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1 and "Traceback" not in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_two_processes_split_the_shards_and_match_one(cached, tmp_path):
     from conftest import ROOT
 

@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
@@ -34,7 +33,7 @@ from tqdm import tqdm
 from routing.errors import ConfigError
 from train.data.images import IMAGE_EXTENSIONS, center_crop_resize, list_images
 from train.data.latents import DEFAULT_VAE, load_vae, shard_name
-from train.files import damaged, read_json, write_atomic
+from train.files import damaged, read_json, safetensors_metadata, tensor_shapes, write_atomic
 
 FORMAT_VERSION = 1
 # Settings that must match between a run and the folder it resumes.
@@ -225,6 +224,9 @@ def _finish_shard(path: Path, parts: dict, vae, size: int, storage: torch.dtype,
     _write_shard(path, {"mean": mean, "std": std, "labels": labels, **aligned}, metadata)
 
 
+REDO_SHARD = "delete it and run the same command again, which rewrites missing shards"
+
+
 def _write_summary(out: Path, plan: dict, num_shards: int) -> dict:
     """meta.json (complete) and stats.json from the headers of all shards."""
     shards, skipped, scaling_factors, shift_factors = [], [], set(), set()
@@ -232,18 +234,21 @@ def _write_summary(out: Path, plan: dict, num_shards: int) -> dict:
     values = 0
     latent_shape = None
     for k in range(num_shards):
-        with safe_open(str(out / shard_name(k)), framework="pt") as f:
-            metadata = f.metadata()
-            count = f.get_slice("labels").get_shape()[0]
+        path = out / shard_name(k)
+        metadata, shapes = safetensors_metadata(path, REDO_SHARD), tensor_shapes(path, REDO_SHARD)
+        try:
+            count = shapes["labels"][0]
             if count:
-                latent_shape = f.get_slice("mean").get_shape()[1:]
+                latent_shape = list(shapes["mean"][1:])
+            skipped += json.loads(metadata["skipped"])
+            scaling_factors.add(float(metadata["scaling_factor"]))
+            shift_factors.add(float(metadata.get("shift_factor", 0.0)))
+            values += int(metadata["values_per_channel"])
+            for name in sums:
+                sums[name] = sums[name] + np.array(json.loads(metadata[name]))
+        except (KeyError, IndexError, ValueError, TypeError):  # a shard this command did not write
+            raise damaged(path, "is not a shard of this cache (tensors or header entries missing)", REDO_SHARD) from None
         shards.append({"file": shard_name(k), "count": count})
-        skipped += json.loads(metadata["skipped"])
-        scaling_factors.add(float(metadata["scaling_factor"]))
-        shift_factors.add(float(metadata.get("shift_factor", 0.0)))
-        values += int(metadata["values_per_channel"])
-        for name in sums:
-            sums[name] = sums[name] + np.array(json.loads(metadata[name]))
     if latent_shape is None:
         raise ConfigError(f"--images {plan['images']!r}: no image could be read, nothing was cached.")
 
@@ -308,6 +313,8 @@ def cache_latents(args: CacheSettings) -> dict | None:
     num_shards = math.ceil(len(files) / args.shard_size)
     mine = [k for k in range(num_shards) if k % accelerator.num_processes == accelerator.process_index]
     todo = [k for k in mine if not (out / shard_name(k)).is_file()]
+    for k in sorted(set(mine) - set(todo)):  # finished shards whole (a copy cut short), before anything is written
+        tensor_shapes(out / shard_name(k), REDO_SHARD)
     if accelerator.is_local_main_process:
         print(f"cache_latents: {len(files)} images, {num_shards} shards; {len(mine) - len(todo)} of this process's "
               f"{len(mine)} shards already done.", file=sys.stderr)
