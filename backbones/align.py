@@ -116,8 +116,9 @@ class Alignment(nn.Module):
 
     backbone: the online Backbone (its blocks are hooked now); layer, teacher_layer: block indices, negative from
     the end (None for self: SRA's, `sra_blocks`); head: repa | sra (None: the mode's own, REPA's projector for repa and
-    SRA's head for self); width: the head's hidden width (None: the head's own, `head_width`); target_dim: the encoder's feature width for REPA (the backbone's width for self); targets: for REPA, a
-    callable clean images (B, C, H, W) -> (B, N, C) features on the backbone's token grid, in raster order.
+    SRA's head for self); width: the head's hidden width (None: the head's own, `head_width`); target_dim: the
+    encoder's feature width for REPA (the backbone's width for self); targets: for REPA, a callable clean images
+    (B, C, H, W) -> (B, N, C) features on the backbone's token grid, in raster order.
     """
 
     def __init__(self, backbone: nn.Module, mode: str, layer: int | None, *, weight: float = 0.5, width: int | None = None,
