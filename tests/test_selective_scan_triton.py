@@ -391,3 +391,20 @@ def test_mamba_mixer_on_the_triton_path(device, monkeypatch):
     assert _rel(out_triton, out_torch) < 1e-5
     for name, grad in grads_triton.items():
         assert _rel(grad, grads_torch[name]) < 1e-4, name
+
+
+def test_launches_after_the_first_skip_the_autotuner(device, monkeypatch):
+    """After the first call per shape and flags, the kernels are launched with the config each picked, without
+    their autotuners (backbones/ops/triton_launch.py); the second call's values and gradients equal the first's."""
+    inputs = _inputs(2, 3, 9, 4, torch.float64, device, seed=5)
+    y, grads = _value_and_grads(selective_scan_triton, inputs)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the autotuner ran again")
+
+    monkeypatch.setattr(sst.fwd_kernel, "run", refuse)
+    monkeypatch.setattr(sst.bwd_kernel, "run", refuse)
+    y2, grads2 = _value_and_grads(selective_scan_triton, inputs)
+    torch.testing.assert_close(y2, y, atol=0, rtol=0)
+    for name in grads:
+        torch.testing.assert_close(grads2[name], grads[name], atol=0, rtol=0)

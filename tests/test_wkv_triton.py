@@ -154,3 +154,24 @@ def test_cuda_dispatches_to_the_kernel_and_matches_cpu():
     torch.testing.assert_close(y, y_cpu, atol=1e-5, rtol=1e-5)
     for name, a, b in zip("wukv", grads, g_cpu):
         assert (a - b).abs().max().item() <= 3e-5 * b.abs().max().item(), name
+
+
+def test_eager_calls_skip_the_op_and_the_autotuner(device, monkeypatch):
+    """The thin launch path: in eager mode bi_wkv calls the kernels' autograd.Function, never the custom op (the
+    compiled path), and after the first call each autotuned kernel is launched with the config it picked, without
+    its autotuner (backbones/ops/triton_launch.py). The second call's values and gradients equal the first's."""
+    from backbones.ops import wkv_op, wkv_triton
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("called on the hot path")
+
+    monkeypatch.setattr(wkv_op, "bi_wkv_op", refuse)
+    inputs, grad_y = _inputs(1, 5, 4, decay_T=2.0, key_max=1.0, seed=3)
+    y, grads = _value_and_grads(inputs, grad_y, "triton", device)
+    for kernel in (wkv_triton._fwd_sums_kernel, wkv_triton._fwd_kernel, wkv_triton._bwd_sums_kernel,
+                   wkv_triton._bwd_kernel):
+        monkeypatch.setattr(kernel, "run", refuse)  # kernel[grid](...) enters the autotuner through run
+    y2, grads2 = _value_and_grads(inputs, grad_y, "triton", device)
+    torch.testing.assert_close(y2, y, atol=0, rtol=0)
+    for a, b in zip(grads2, grads):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)

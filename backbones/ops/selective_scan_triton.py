@@ -71,6 +71,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from backbones.ops.autocast import fp32_operator
 from backbones.ops.op_inputs import OpInputError
 from backbones.ops.selective_scan import check_scan_inputs
+from backbones.ops.triton_launch import launch
 from routing.errors import ConfigError
 # The @triton.jit kernels live beside this file; the combine functions are re-exported for the tests.
 from backbones.ops.selective_scan_triton_kernels import _compose, _compose_pre, _scan_bwd_kernel, _scan_fwd_kernel  # noqa: F401
@@ -186,6 +187,11 @@ def states_shape(b: int, d: int, length: int, n: int) -> tuple[int, int, int, in
     return b, d, triton.cdiv(length, time_chunk(length)) - 1, n
 
 
+def _dtypes(*tensors) -> tuple:
+    """The dtypes of the given tensors (None: absent), part of every launch's config key."""
+    return tuple(t.dtype if t is not None else None for t in tensors)
+
+
 def _flags(A, D, z, delta_bias, softplus) -> dict:
     return dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=bool(softplus),
                 EXP2=A.dtype != torch.float64)
@@ -205,10 +211,13 @@ def scan_forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus: bool, stor
     states = u.new_empty(states_shape(b, d, length, n) if store else (0,), dtype=A.dtype)
     grid = lambda meta: (g * triton.cdiv(d // g, meta["BLOCK_D"]), b)  # noqa: E731
     absent = A  # stands in for absent optional tensors; the constexpr flags keep it unread
-    fwd_kernel[grid](
+    flags = _flags(A, D, z, delta_bias, delta_softplus)
+    key = (d, g, length, n, chunk, store, *flags.values(), *_dtypes(u, delta, A, B, C, D, z, delta_bias), u.device)
+    launch(
+        fwd_kernel, key, grid,
         u, delta, A, B, C, absent if D is None else D, absent if z is None else z,
         absent if delta_bias is None else delta_bias, out, states if states.numel() else absent,
-        d, g, length, n, n_chunks, **_flags(A, D, z, delta_bias, delta_softplus),
+        d, g, length, n, n_chunks, **flags,
         STORE_STATES=store, BLOCK_N=triton.next_power_of_2(n), CHUNK=chunk,
     )
     return out, states
@@ -236,15 +245,19 @@ def scan_backward(dout, u, delta, A, B, C, D, z, delta_bias, delta_softplus: boo
     dC = torch.empty_like(dB)
     absent = A
     grid = lambda meta: (g * triton.cdiv(k, meta["CPP"]), b)  # noqa: E731
-    bwd_kernel[grid](
+    flags = _flags(A, D, z, delta_bias, delta_softplus)
+    # Everything the autotuner keys on and its pruner reads (the batch, every flag), and the dtypes.
+    key = (b, d, g, length, n, chunk, *flags.values(), *_dtypes(u, delta, A, B, C, D, z, delta_bias, dout), u.device)
+    config = launch(
+        bwd_kernel, key, grid,
         u, delta, A, B, C, absent if D is None else D, absent if z is None else z,
         absent if delta_bias is None else delta_bias, dout.contiguous(), states if states.numel() else absent,
         du, ddelta, absent if dz is None else dz, dA, dB, dC, absent if dD is None else dD,
         absent if dbias is None else dbias,
-        b, d, g, length, n, triton.cdiv(length, chunk), slots, **_flags(A, D, z, delta_bias, delta_softplus),
+        b, d, g, length, n, triton.cdiv(length, chunk), slots, **flags,
         BLOCK_N=triton.next_power_of_2(n), CHUNK=chunk,
     )
-    parts = triton.cdiv(k, bwd_kernel.best_config.kwargs["CPP"])  # the slots the config that ran wrote
+    parts = triton.cdiv(k, config.kwargs["CPP"])  # the slots the config that ran wrote
     dB, dC = dB[:, :, :parts].sum(2).to(B.dtype), dC[:, :, :parts].sum(2).to(C.dtype)  # (b, g, parts, n, l) -> (b, g, n, l)
     return (du, ddelta, dA.sum(0), dB, dC, dD.sum(0) if dD is not None else None, dz,
             dbias.sum(0) if dbias is not None else None)

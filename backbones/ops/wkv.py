@@ -282,9 +282,9 @@ def bi_wkv(
     backend: "auto" runs the fused Triton kernels for CUDA tensors in fp32 / bf16 / fp16 when triton is
     installed, and this chunked PyTorch op otherwise; "torch" always takes the chunked op; "triton" always
     takes the kernels (on CPU through Triton's interpreter, TRITON_INTERPRET=1, which is how the tests check
-    them). Both go through one torch.library op (backbones/ops/wkv_op.py) under torch.compile and for the
-    kernels, so a compiled block has no graph break; the eager chunked op skips it (its backward then
-    reuses what the forward computed instead of recomputing it).
+    them). Both go through one torch.library op (backbones/ops/wkv_op.py) under torch.compile, so a compiled
+    block has no graph break; in eager mode each path's autograd.Function is called directly (no dispatcher
+    work per call, and the chunked backward reuses what its forward computed instead of recomputing it).
     chunk_len (chunked op only) is the longest chunk: the matmul costs O(B T L C) and the carry loop T / L
     steps. It is shortened automatically for very fast decays (|w| chunk_len > 12), see the module docstring.
     """
@@ -300,7 +300,11 @@ def bi_wkv(
             return torch.zeros_like(k, dtype=out_dtype) + 0 * (w.sum() + u.sum() + k.sum() + v.sum())
         # k and v are read in their own dtype (no fp32 copy in memory); w, u are C floats.
         args = (w.float().contiguous(), u.float().contiguous(), k.to(out_dtype).contiguous(), v.to(out_dtype).contiguous())
-        return wkv_op.bi_wkv_op(*args, chunk_len, True)[0]
+        if torch.compiler.is_compiling():
+            return wkv_op.bi_wkv_op(*args, chunk_len, True)[0]
+        from backbones.ops.wkv_triton import bi_wkv_triton  # imports triton (first call only)
+
+        return bi_wkv_triton(*args)
     dtype = torch.promote_types(out_dtype, torch.float32)
     args = (w.to(dtype), u.to(dtype), k.to(dtype), v.to(dtype))
     if torch.compiler.is_compiling():

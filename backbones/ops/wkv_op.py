@@ -8,8 +8,9 @@ node; its backward is an op too, so the compiled backward graph has no break eit
 
 One op for both paths: `use_triton` picks the Triton kernels (CUDA, or CPU through Triton's interpreter) or
 the chunked PyTorch op. The forward returns y and a state tensor the backward needs: the kernels' chunk
-carries (6, B, n, C); the chunked path returns an empty state and recomputes its forward in the backward (it
-only runs here under torch.compile on the CPU; eager CPU training calls the chunked autograd.Function).
+carries (6, B, n, C); the chunked path returns an empty state and recomputes its forward in the backward.
+The op runs only under torch.compile: in eager mode bi_wkv calls each path's autograd.Function directly
+(wkv_triton._TritonBiWKV, wkv._BiWKV), which skips the dispatcher's work on every call.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def bi_wkv_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dw, du, dk, dv of bi_wkv_op."""
     if use_triton:
-        return _kernels().backward(w, u, k, v, state, grad_y)
+        du_dw, dk, dv = _kernels().backward(w, u, k, v, state, grad_y)
+        return du_dw[1].clone(), du_dw[0].clone(), dk, dv  # an op's outputs may not alias each other
     _, saved, (T, L) = chunked_forward(w, u, k, v, chunk_len)
     dw, du, dk, dv = chunked_backward(saved, T, L, grad_y.contiguous())
     # Contiguous as the fake says (du is a column of a table); dk and dv are views of one buffer, and an op's

@@ -62,7 +62,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
+from backbones.ops.triton_launch import launch
 from backbones.ops.wkv_triton_walks import (
     _NEG,
     _PARTS,
@@ -312,25 +314,49 @@ def forward(w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     """y (B, T, C) in k's dtype and the chunk carries (6, B, n, C) the backward needs; w, u fp32 (C,);
     k, v contiguous of one dtype."""
     B, T, C, L, n, grid = _launch_shape(k)
+    key = (T, C, k.dtype, k.device)  # the autotuner's key: T, C and the tensors' dtypes (w, u, scratch are fp32)
     agg = torch.empty(6, B, n, C, device=k.device, dtype=torch.float32)
-    _fwd_sums_kernel[grid](w, k, v, agg, B, T, C, n, BLOCK_T=L)
+    launch(_fwd_sums_kernel, key, grid, w, k, v, agg, B, T, C, n, BLOCK_T=L)
     carries = _combine(w, agg, L)
     y = torch.empty_like(k)
-    _fwd_kernel[grid](w, u, k, v, carries, y, B, T, C, n, BLOCK_T=L)
+    launch(_fwd_kernel, key, grid, w, u, k, v, carries, y, B, T, C, n, BLOCK_T=L)
     return y, carries
 
 
 def backward(w, u, k, v, carries, grad_y) -> tuple[torch.Tensor, ...]:
-    """dw, du (fp32 (C,)), dk, dv (k's dtype) from the forward's inputs and chunk carries."""
+    """(du, dw) as one fp32 (2, C) tensor, dk, dv (k's dtype), from the forward's inputs and chunk carries."""
     B, T, C, L, n, grid = _launch_shape(k)
     grad_y = grad_y.contiguous()
+    key = (T, C, k.dtype, grad_y.dtype, k.device)
     agg = torch.empty(10, B, n, C, device=k.device, dtype=torch.float32)
-    _bwd_sums_kernel[grid](w, u, k, v, grad_y, carries, agg, B, T, C, n, BLOCK_T=L)
+    launch(_bwd_sums_kernel, key, grid, w, u, k, v, grad_y, carries, agg, B, T, C, n, BLOCK_T=L)
     bcarries = _combine(w, agg, L)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     partial = torch.empty(2, B, n, C, device=k.device, dtype=torch.float32)
-    _bwd_kernel[grid](w, u, k, v, grad_y, carries, bcarries, dk, dv, partial, B, T, C, n, BLOCK_T=L)
-    return partial[1].sum(dim=(0, 1)), partial[0].sum(dim=(0, 1)), dk, dv  # dw, du: separate tensors
+    launch(_bwd_kernel, key, grid, w, u, k, v, grad_y, carries, bcarries, dk, dv, partial, B, T, C, n, BLOCK_T=L)
+    return partial.sum(dim=(1, 2)), dk, dv  # (2, B, n, C) -> (2, C): du and dw in one reduction
+
+
+class _TritonBiWKV(torch.autograd.Function):
+    """The kernels in eager mode, called directly: no custom-op dispatch (wkv_op's op is the compiled path)."""
+
+    @staticmethod
+    def forward(ctx, w, u, k, v):
+        y, carries = forward(w, u, k, v)
+        ctx.save_for_backward(w, u, k, v, carries)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y):
+        w, u, k, v, carries = ctx.saved_tensors
+        du_dw, dk, dv = backward(w, u, k, v, carries, grad_y)
+        return du_dw[1], du_dw[0], dk, dv
+
+
+def bi_wkv_triton(w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """y (B, T, C) of the kernels with autograd, in eager mode; inputs as `forward` takes them."""
+    return _TritonBiWKV.apply(w, u, k, v)
 
 
 def traffic(B: int, T: int, C: int, element_size: int, block_c: int = 32) -> dict[str, list[tuple[str, int, int]]]:
