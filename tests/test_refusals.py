@@ -326,6 +326,8 @@ CASES = [
     T("meta_missing", [], remove("lat/meta.json"), names="meta.json", base=LATENTS),
     T("meta_invalid_json", [], put("lat/meta.json", '{"num_classes": 2,'), names="meta.json", base=LATENTS),
     T("meta_a_list", [], put("lat/meta.json", "[1, 2]"), names="meta.json", base=LATENTS, hydra=True),
+    T("meta_align_features_edited", [], edit_json("lat/meta.json", lambda m: m.update(align={"features": {"grid": 5}})),
+      names="field 'align.features.grid' is an integer, not a list", base=LATENTS),
     T("meta_without_num_classes", [], edit_json("lat/meta.json", lambda m: m.pop("num_classes") and None), names="num_classes",
       base=LATENTS),
     T("meta_num_classes_text", [], edit_json("lat/meta.json", lambda m: m.update(num_classes="two")), names="num_classes", base=LATENTS),

@@ -41,6 +41,17 @@ class LatentsMeta:
 
 
 @dataclass
+class AlignFeatures:
+    """meta.json's align.features: the frozen encoder whose patch features each shard holds."""
+
+    encoder: str = MISSING
+    weights: Optional[str] = None
+    input_size: int = MISSING
+    grid: List[int] = MISSING  # the encoder's patch grid (gh, gw)
+    dim: int = MISSING  # feature width
+
+
+@dataclass
 class LatentStats:
     """stats.json: per-channel mean and std of the scaled posterior samples."""
 
@@ -63,11 +74,27 @@ def read_meta(folder: Path) -> LatentsMeta:
     if not meta.shards:
         raise damaged(path, "lists no shards", REDO)
     meta.entries = [typed(Shard, entry, path, REDO, where=f"shards[{i}].") for i, entry in enumerate(meta.shards)]
+    _check_align(meta.align, path)
     for i, shard in enumerate(meta.entries):
         if shard.count < 0 or Path(shard.file).name != shard.file or shard.file in ("", ".", ".."):
             raise damaged(path, f"shard {i} ({shard.file!r}, count {shard.count}) is not a file name in the folder with "
                                 "a count >= 0", REDO)
     return meta
+
+
+def _check_align(align: Optional[Dict[str, Any]], path: Path) -> None:
+    """align: {"images": side} and/or {"features": AlignFeatures}, each in range, or nothing."""
+    if not align:
+        return
+    unknown = sorted(set(align) - {"images", "features"})
+    side = align.get("images")
+    if unknown or (side is not None and (not isinstance(side, int) or isinstance(side, bool) or side < 1)):
+        raise damaged(path, f"field 'align' = {align!r} is not {{\"images\": a side in pixels, \"features\": the encoder's}}", REDO)
+    if "features" in align:
+        how = typed(AlignFeatures, align["features"], path, REDO, where="align.features.")
+        if len(how.grid) != 2 or min(how.grid) < 1 or how.dim < 1 or how.input_size < 1:
+            raise damaged(path, f"field 'align.features' has grid {how.grid}, dim {how.dim} and input_size {how.input_size}, not two "
+                                "positive sides and positive sizes", REDO)
 
 
 def read_stats(folder: Path, channels: int) -> LatentStats:
