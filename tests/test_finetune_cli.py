@@ -208,7 +208,7 @@ def test_resume_continues_a_fine_tuning_run_exactly(models, tmp_path):
     with pytest.raises(ConfigError, match="does not fit this model"):
         Trainer(compose_cfg(*common, "finetune.lora.rank=8", "trainer.max_steps=6", f"run_dir={tmp_path / 'split'}", "resume=true"))
     other = write_pretrained("flux", tmp_path / "other", num_single_layers=3)
-    with pytest.raises(ConfigError, match=r"fine-tuned from a FluxTransformer2DModel whose config differs in \['num_single_layers'\]"):
+    with pytest.raises(ConfigError, match=r"fine-tuned from a FluxTransformer2DModel whose config differs in num_single_layers: \d+ -> 3 from"):
         Trainer(compose_cfg(*common, f"finetune.pretrained={other}", "trainer.max_steps=6", f"run_dir={tmp_path / 'split'}", "resume=true"))
     moved = tmp_path / "moved"
     shutil.copytree(models["flux"], moved)

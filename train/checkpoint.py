@@ -110,8 +110,9 @@ def load_trained_state(net, state: dict, which: str, cfg: DictConfig) -> None:
     saved, mine = state.get("pretrained") or {}, model_config(model)
     differ = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k)) if saved else []
     if differ:
+        changes = "; ".join(f"{k}: {saved.get(k)!r} -> {mine.get(k)!r}" for k in differ)  # trained -> now
         raise ConfigError(f"checkpoint '{state['path']}' was fine-tuned from a {type(model).__name__} whose config differs in "
-                          f"{differ} from the one in finetune.pretrained='{cfg.finetune.pretrained}'; point finetune.pretrained "
+                          f"{changes} from the one in finetune.pretrained='{cfg.finetune.pretrained}'; point finetune.pretrained "
                           "at the model it was trained from.")
     if _load_sharded(net, cfg, tensors):
         return

@@ -180,9 +180,11 @@ def load_lora(model: nn.Module, folder: str | os.PathLike) -> LoraSpec:
     cls, config = meta["model"]["class"], meta["model"]["config"]
     if cls != type(model).__name__:
         raise ConfigError(f"the LoRA in '{folder}' was trained on a {cls}, not a {type(model).__name__}.")
-    differ = sorted(k for k in set(config) | set(model_config(model)) if config.get(k) != model_config(model).get(k))
+    mine = model_config(model)
+    differ = sorted(k for k in set(config) | set(mine) if config.get(k) != mine.get(k))
     if differ:
-        raise ConfigError(f"the LoRA in '{folder}' was trained on a {cls} whose config differs in {differ}; load that model.")
+        changes = "; ".join(f"{k}: {config.get(k)!r} -> {mine.get(k)!r}" for k in differ)  # trained on -> this model's
+        raise ConfigError(f"the LoRA in '{folder}' was trained on a {cls} whose config differs in {changes}; load that model.")
     lora = meta["lora"]
     spec = LoraSpec(lora["rank"], lora["alpha"], lora["dropout"], tuple(lora["targets"]))
     if hasattr(model, "_tread_lora") and model._tread_lora != spec:
