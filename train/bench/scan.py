@@ -10,7 +10,10 @@ delta = softplus(delta + delta_bias), and prints the ratios measured in this one
 kernel's times it prints the bytes the kernels move and the programs they launch (counted from the kernel's
 layout, train.bench.timing.roofline) and, on a card of known bandwidth, the fraction of it achieved; the
 same counts for the reference shape b64 d768 L256 N16 are printed without running it, so a CPU shows them.
-The sequential reference is timed only where it is cheap (a line says when it is skipped). mambapy (a pure-PyTorch
+The times above are synchronous wall times (the host's launch path and the kernels, one after the other); on a
+GPU each method also gets its device time (CUDA events over --repeats back-to-back calls) and the host's time to
+issue one call with its share of the wall time (train.bench.timing.device_times); on a CPU the device time is the
+wall time, and says so. The sequential reference is timed only where it is cheap (a line says when it is skipped). mambapy (a pure-PyTorch
 Mamba with a Blelloch parallel scan, `pip install mambapy`) is timed through its own
 `MambaBlock.selective_scan`; its inputs are transposed to its (B, L, D) layout outside the timed region.
 """
@@ -28,7 +31,8 @@ import torch.nn.functional as F
 
 from backbones.ops.cuda_kernels import cuda_selective_scan, triton_selective_scan
 from backbones.ops.selective_scan import num_chunks, selective_scan, selective_scan_ref
-from train.bench.timing import roofline
+from backbones.ops.selective_scan_env import check_scan_environment
+from train.bench.timing import device_columns, device_times, roofline
 from train.cli import ArgumentParser, bounded, device as device_type
 
 REFERENCE = dict(b=64, d=768, length=256, n=16)  # the issue's shape: one direction of a Mamba-S/B mixer at batch 64
@@ -198,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--count-kernels", action="store_true", help="count the kernels of one Mamba block's training "
                         "step, eager and compiled, instead of timing the scan")
     args = parser.parse_args(argv)
+    for note in check_scan_environment(torch.device(args.device).type == "cuda"):  # TREAD_SCAN_*: one sentence
+        print(note)
     if args.count_kernels:
         print_block_kernel_counts(torch.device(args.device))
         return
@@ -270,8 +276,18 @@ def main(argv: list[str] | None = None) -> None:
             if round_idx < repeats:
                 times[name].append((_once(fn, False, device), _once(fn, True, device)))
     best = {name: (min(t[0] for t in ts), min(t[1] for t in ts)) for name, ts in times.items()}
+    # Back-to-back calls without a sync between them (not the slow reference): device and host time per call.
+    calls = {}
+    for name, (fn, _) in rows.items():
+        if name != "sequential reference":
+            calls[name, "fwd"] = lambda fn=fn: torch.no_grad()(fn)()
+            calls[name, "fwd+bwd"] = lambda fn=fn: fn().sum().backward()
+    behind = device_times(calls, args.repeats, device)
     for name, (fwd, both) in best.items():
         print(f"{name:22s} fwd {fwd * 1e3:9.3f} ms   fwd+bwd {both * 1e3:9.3f} ms   (min of {len(times[name])})")
+        for label, wall in (("fwd", fwd), ("fwd+bwd", both)):
+            if (name, label) in behind:
+                print(f"{'':22s} {label:8s} {device_columns(wall, behind[name, label])}")
         if name == "Triton":
             from backbones.ops.selective_scan_triton import bwd_kernel, fwd_kernel
 
@@ -287,4 +303,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from train.cli import friendly_errors
+
+    friendly_errors(main)()

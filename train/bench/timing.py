@@ -1,4 +1,5 @@
-"""Cost measurements shared by the benchmarks: FLOPs, interleaved step timing, saved-activation bytes.
+"""Cost measurements shared by the benchmarks: FLOPs, interleaved step timing, device and host time per call,
+saved-activation bytes.
 
 Speed is only ever measured here, in benchmark scripts that print ratios from one run; tests never time.
 """
@@ -86,6 +87,39 @@ def interleaved_medians(fns: dict[str, Callable[[], None]], repeats: int, warmup
             if progress:
                 progress()
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def device_times(fns: dict, repeats: int, device) -> dict:
+    """Per call of each function: (device seconds, host seconds) over `repeats` back-to-back calls, no sync between.
+
+    device: CUDA events around the batch, the stream's time per call: the kernels' own time while the host keeps
+    ahead of them (and the host path's, gaps included, when it does not). host: the time Python takes to issue
+    one call. The synchronous wall time (`interleaved_medians`) holds both, one after the other; the host's share of
+    it is what a CUDA graph or a thinner launch path can save. On a CPU the three are one: every value is None."""
+    if torch.device(device).type != "cuda":
+        return {name: None for name in fns}
+    found = {}
+    for name, fn in fns.items():
+        fn()  # a first call compiles or tunes outside the timed batch
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        tic = time.perf_counter()
+        start.record()
+        for _ in range(repeats):
+            fn()
+        end.record()
+        host = (time.perf_counter() - tic) / repeats
+        end.synchronize()
+        found[name] = (start.elapsed_time(end) / 1e3 / repeats, host)
+    return found
+
+
+def device_columns(wall_s: float, times: tuple[float, float] | None) -> str:
+    """`device_times`'s numbers beside a synchronous wall time, or what a CPU has instead."""
+    if times is None:
+        return "device time n/a on CPU (= wall)"
+    device_s, host_s = times
+    return f"device {device_s * 1e3:.3f} ms, host {host_s * 1e3:.3f} ms per call ({host_s / wall_s:.0%} of wall)"
 
 
 def saved_activation_bytes(loss_fn: Callable[[], torch.Tensor], params) -> int:

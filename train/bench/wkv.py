@@ -11,7 +11,10 @@ each tensor it reads or writes counted once). Then it times forward and forward+
 same inputs (decays spread over w T in [-5, 3], the Vision-RWKV init range, keys ~ N(0, 1)) and prints the median
 of --repeats interleaved runs after warm-up, the speed ratios measured in this one run, the largest difference to
 the reference, and beside each Triton time its bytes, programs and, on a card of known bandwidth, the achieved
-bandwidth as a fraction of the card's (train.bench.timing.roofline). The O(T^2) reference is timed only while
+bandwidth as a fraction of the card's (train.bench.timing.roofline). Those medians are synchronous wall times
+(the host's launch path and the kernels, one after the other); on a GPU each also gets its device time (CUDA
+events over --repeats back-to-back calls) and the host's time to issue one call, with its share of the wall time
+(train.bench.timing.device_times). On a CPU the device time is the wall time, and says so. The O(T^2) reference is timed only while
 B T^2 C stays below --reference-limit (its (C, T, T) decay matrices and T^2 work per channel make it the slowest
 by far at the reference shape); otherwise one line says it was skipped.
 """
@@ -23,7 +26,7 @@ import argparse
 import torch
 
 from backbones.ops.wkv import bi_wkv, bi_wkv_reference
-from train.bench.timing import CARD_BANDWIDTH, interleaved_medians, roofline
+from train.bench.timing import CARD_BANDWIDTH, device_columns, device_times, interleaved_medians, roofline
 from train.cli import ArgumentParser, bounded, device as device_type
 
 REFERENCE_SHAPE = (64, 256, 384)
@@ -187,10 +190,13 @@ def main(argv: list[str] | None = None) -> None:
         calls[(name, "fwd")] = lambda fn=fn: torch.no_grad()(fn)()
         calls[(name, "fwd+bwd")] = lambda fn=fn: fn().float().sum().backward()
     ms = {key: s * 1e3 for key, s in interleaved_medians(calls, args.repeats, warmup=3, device=device).items()}
+    behind = device_times(calls, args.repeats, device)  # back-to-back, no sync between calls
     counts = kernel_traffic(B, T, C, element) if device.type == "cuda" else {}
     for name in methods:
         line = f"{name:18s} fwd {ms[name, 'fwd']:8.3f} ms   fwd+bwd {ms[name, 'fwd+bwd']:8.3f} ms   (median of {args.repeats})"
         print(line)
+        for label in ("fwd", "fwd+bwd"):
+            print(f"  {label:8s} {device_columns(ms[name, label] / 1e3, behind[name, label])}")
         if name == "bi_wkv (Triton)":
             for label in ("fwd", "fwd+bwd"):
                 print(f"  {label:8s} {roofline(*counts[label], ms[name, label] / 1e3, device)}")
