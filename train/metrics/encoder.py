@@ -12,6 +12,7 @@ cover a whole number of times per side (else the config is refused, naming an in
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from pathlib import Path
@@ -74,6 +75,9 @@ class FrozenEncoder:
         heads = (heads,) if isinstance(heads, str) else tuple(heads)
         tensors = {k: v for k, v in tensors.items() if not k.startswith(tuple(f"{h}." for h in heads))}
         overlay = {"state_dict": tensors, "file": None, "source": "", "hf_hub_id": None, "url": None, "num_classes": 0}
+        quiet = logging.getLogger("timm.models._builder")  # its INFO line names a state dict, not the file read above
+        level = quiet.level
+        quiet.setLevel(max(level, logging.WARNING))
         try:
             try:
                 model = timm.create_model(source, pretrained=True, pretrained_cfg_overlay=overlay, num_classes=0, img_size=input_size)
@@ -85,6 +89,8 @@ class FrozenEncoder:
                                   "(python -c 'import timm; print(timm.list_models(\"*dinov2*\"))' lists names).") from None
             raise damaged(file, f"does not hold {name}'s weights ({_load_fault(err)})", f"point align.weights at {name}'s weights, "
                           "or set align.encoder to the model these belong to") from None
+        finally:
+            quiet.setLevel(level)
         return cls(model.to(device), input_size, token_grid, dtype)
 
     def _probe(self) -> tuple[int, tuple[int, int]]:
