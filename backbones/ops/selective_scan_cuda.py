@@ -81,7 +81,11 @@ template <typename T> static void launch_bwd(const Params& p, bool vec) {
   dim3 grid(p.groups * p.channel_blocks, p.batch);
   auto kernel = tread_scan::scan_bwd_kernel<T>;
   size_t smem = tread_scan::bwd_smem(p.n, p.rounds);
-  if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  static size_t allowed = 48 * 1024;  // dynamic shared memory this kernel may take without opting in; raised once
+  if (smem > allowed) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    allowed = smem;
+  }
   kernel<<<grid, tread_scan::WARPS * 32, smem, c10::cuda::getCurrentCUDAStream()>>>(p, vec);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
