@@ -197,7 +197,11 @@ def time_group(group: Group, device: torch.device, repeats: int, warmup: int, fl
                 fits[recipe] = call
             except torch.OutOfMemoryError:
                 _free(device)
-        seconds = interleaved_medians(fits, repeats, warmup, device) if fits else {}
+        try:
+            seconds = interleaved_medians(fits, repeats, warmup, device) if fits else {}
+        except torch.OutOfMemoryError:  # a later step ran out: which recipe's is not known, so none of them is timed
+            fits = {}
+            _free(device)
     for recipe in RECIPES:
         if recipe not in fits:
             rows[recipe] = _row(group, recipe, flops=flops.get(recipe), fits=False, ms=None, mfu=None, peak_memory_bytes=None)
