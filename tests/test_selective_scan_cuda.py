@@ -6,10 +6,14 @@ On a GPU (-m gpu): the compiled kernels against the Triton and PyTorch scans, fo
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
 import re
 import shutil
 import subprocess
 import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,6 +137,57 @@ def test_extension_source_compiles_for_sm90(tmp_path):
                              "-DTORCH_EXTENSION_NAME=tread_selective_scan_cuda", "-o", str(tmp_path / "scan.o"),
                              str(source)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+@functools.cache
+def _kernels_on_cpu(build_dir: str) -> ctypes.CDLL:
+    """The .cu's kernels compiled for the CPU (tests/scan_cuda_on_cpu.cpp: a thread per CUDA thread)."""
+    gxx = shutil.which("g++")
+    assert gxx, "g++ is not on PATH: running the CUDA kernels on CPU threads needs a C++20 compiler"
+    # The CUDA headers (cuda_bf16.h): beside the toolkit's nvcc, under CUDA_HOME, or /usr/local/cuda.
+    roots = [Path(_nvcc()).resolve().parents[1], Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")), Path("/usr/local/cuda")]
+    cuda_include = next((r / "include" for r in roots if (r / "include" / "cuda_bf16.h").exists()), None)
+    assert cuda_include, f"no cuda_bf16.h under {[str(r) for r in roots]}: the CPU build of the kernels needs the CUDA headers"
+    library = Path(build_dir) / "scan_cuda_on_cpu.so"
+    result = subprocess.run([gxx, "-O1", "-std=c++20", "-fno-strict-aliasing", "-shared", "-fPIC", "-pthread",
+                             f"-I{cuda_include}", "-o", str(library), str(Path(__file__).with_name("scan_cuda_on_cpu.cpp"))],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return ctypes.CDLL(str(library))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("length,d,groups,n", [(1, 6, None, 4), (17, 6, 2, 4), (300, 8, None, 16), (256, 6, None, 4),
+                                               (600, 70, 2, 2)])
+def test_cuda_kernels_on_cpu_threads_match_definition(tmp_path_factory, length, d, groups, n):
+    """The kernels' own code, each CUDA thread a CPU thread (shuffles and barriers emulated), fp32, against the
+    definition in fp64: forward, the stored chunk states' use, and every gradient (dB, dC from the block tiles)."""
+    lib = _kernels_on_cpu(str(tmp_path_factory.getbasetemp()))
+    inputs = _inputs(d=d, length=length, n=n, groups=groups, dtype=torch.float32)
+    dout = torch.randn(2, d, length)
+    want, want_grads = _definition({k: v.double() for k, v in inputs.items()}, dout.double(), softplus=True)
+    u, delta, A, B, C, D, z, bias = (t.contiguous() for t in inputs.values())
+    Bg, Cg = (t if groups else t[:, None].contiguous() for t in (B, C))  # (b, n, l) -> (b, 1, n, l)
+    g = Bg.shape[1]
+    chunks = -(-length // ssc.CHUNK)
+    out, states = torch.empty_like(u), torch.zeros(2, d, max(chunks - 1, 0), n)
+    ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+    shape = [ctypes.c_int(v) for v in (2, d, g, length, n, 1, int(length % 4 == 0))]
+    lib.scan_fwd(*map(ptr, (u, delta, z, Bg, Cg, A, D, bias, out, states)), *shape)
+    torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
+    blocks = lib.channel_blocks(d, g)
+    du, ddelta, dz = torch.empty_like(u), torch.empty_like(u), torch.empty_like(u)
+    dA, dD, dbias = torch.empty(2, d, n), torch.empty(2, d), torch.empty(2, d)
+    dB, dC = torch.empty(2, g, blocks, n, length), torch.empty(2, g, blocks, n, length)
+    lib.scan_bwd(*map(ptr, (u, delta, z, Bg, Cg, A, D, bias, dout, states, du, ddelta, dz, dA, dD, dbias, dB, dC)),
+                 *shape)
+    dB, dC = (t.sum(2).view(B.shape) for t in (dB, dC))  # (b, g, blocks, n, l) -> B's shape
+    grads = dict(u=du, delta=ddelta, A=dA.sum(0), B=dB, C=dC, D=dD.sum(0), z=dz, delta_bias=dbias.sum(0))
+    for name, got in grads.items():
+        ref = want_grads[name]
+        scale = ref.abs().max().clamp(min=1)
+        torch.testing.assert_close(got.double() / scale, ref / scale, atol=1e-4, rtol=1e-4,
+                                   msg=lambda m, name=name: f"d{name}: {m}")
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
