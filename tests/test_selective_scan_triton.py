@@ -224,27 +224,33 @@ def test_layout_does_not_depend_on_the_tuned_config(monkeypatch):
     assert "batch" in sst.bwd_kernel.keys
 
 
-def test_backward_configs_are_pruned_by_shape_and_flags(monkeypatch):
-    """Only the CPPs `backward_cpps` keeps are timed, and BLOCK_D 4 at 16 warps, which spills registers with z
-    (kernel_compile, sm_90), only without z."""
+def test_backward_configs_are_pruned_by_shape_dtype_and_flags(monkeypatch):
+    """Only the CPPs `backward_cpps` keeps are timed; at 256-step chunks every block config, z or not (none spills as
+    launched, kernel_compile, sm_90); at short chunks the ones that spill least as launched for u's dtype and z."""
     import triton
 
     monkeypatch.setattr(sst, "_INTERPRETED", False)  # the GPU's candidates
 
     configs = [triton.Config({"BLOCK_D": bd, "CPP": c}, num_warps=w)
                for bd, w in sst.BWD_CONFIGS + sst.SHORT_BWD_CONFIGS for c in sst.BWD_CPP]
-    shape = {"batch": 64, "g": 1, "d": 768}
+    fp32, bf16 = (torch.empty(0, dtype=t, device="meta") for t in (torch.float32, torch.bfloat16))
+    shape = {"batch": 64, "g": 1, "d": 768, "u_ptr": fp32}
+
+    def blocks(named_args, **flags):
+        return {(c.kwargs["BLOCK_D"], c.num_warps) for c in sst._prune_backward(configs, named_args, **flags)}
+
     kept = {c.kwargs["CPP"] for c in sst._prune_backward(configs, shape, HAS_Z=False, CHUNK=256)}
     assert kept == set(sst.backward_cpps(64, 1, 768))
     assert {c.kwargs["CPP"] for c in sst._prune_backward(configs, {**shape, "batch": 4096}, HAS_Z=False, CHUNK=256)} == {64}
     with_z = sst._prune_backward(configs, shape, HAS_Z=True, CHUNK=256)
-    assert {(c.kwargs["BLOCK_D"], c.num_warps) for c in with_z} == {(2, 8)} and len(with_z) == len(kept)
-    # Chunks of <= 64 steps take the 1-2 warp configs, longer ones the wide ones; the forward too. The one-warp
-    # backward spills without z and with fewer than two of D, delta_bias, softplus: pruned there.
+    assert blocks(shape, HAS_Z=True, CHUNK=256) == set(sst.BWD_CONFIGS) and len(with_z) == 3 * len(kept)
+    # Chunks of <= 64 steps take the 1-2 warp configs, longer ones the wide ones; the forward too. In fp32 the one-warp
+    # backward spills with any flags, and the two-warp one less (it is kept even without z, where it spills 4-8 bytes);
+    # in bf16 the one-warp one never spills and the two-warp one only without z.
     block = {"HAS_D": True, "HAS_BIAS": True, "SOFTPLUS": True}  # the Mamba block's flags
-    assert {(c.kwargs["BLOCK_D"], c.num_warps) for c in sst._prune_backward(configs, shape, CHUNK=64, **block)} == \
-        set(sst.SHORT_BWD_CONFIGS)
-    assert {(c.kwargs["BLOCK_D"], c.num_warps) for c in sst._prune_backward(configs, shape, CHUNK=64, HAS_D=True)} == {(2, 2)}
+    assert blocks(shape, CHUNK=64, **block) == blocks(shape, CHUNK=64, HAS_Z=True, **block) == {(2, 2)}
+    assert blocks({**shape, "u_ptr": bf16}, CHUNK=64, **block) == {(2, 1)}
+    assert blocks({**shape, "u_ptr": bf16}, CHUNK=64, HAS_Z=True) == set(sst.SHORT_BWD_CONFIGS)
     forward = [triton.Config({"BLOCK_D": bd}, num_warps=w) for bd, w in sst.FWD_CONFIGS + sst.SHORT_FWD_CONFIGS]
     assert {(c.kwargs["BLOCK_D"], c.num_warps) for c in sst._prune_forward(forward, {}, CHUNK=32)} == set(sst.SHORT_FWD_CONFIGS)
     assert {(c.kwargs["BLOCK_D"], c.num_warps) for c in sst._prune_forward(forward, {}, CHUNK=128)} == set(sst.FWD_CONFIGS)

@@ -49,9 +49,10 @@ the picked config wrote (`bwd_kernel.best_config`). The batch size is in the tun
 depend on it.
 
 Autotune: forward chooses BLOCK_D and num_warps on first use per (d, l, n, flags, dtypes), backward BLOCK_D 2
-at 8 warps or BLOCK_D 4 at 16 (without z), each at every kept CPP: the block configs that compile for sm_90
-without register spills at CHUNK 256 (`python -m train.bench.kernel_compile` prints registers and spills of
-every config). CHUNK is fixed by the shape, so the states forward stores never depend on the tuned config.
+at 8 warps or BLOCK_D 4 at 4 or 16, each at every kept CPP: the block configs that compile for sm_90 without
+register spills at CHUNK 256 as the JIT builds them at launch (`python -m train.bench.kernel_compile` prints
+registers, spills, shuffles and barriers of every config). After the first call per shape, flags and dtypes
+each kernel is launched with the config it picked, without its autotuner (backbones/ops/triton_launch.py). CHUNK is fixed by the shape, so the states forward stores never depend on the tuned config.
 Under TRITON_INTERPRET=1 each kernel has one small config.
 
 Precision: fp32 state and sums for fp32 / bf16 / fp16 inputs (loaded in their dtype, widened in
@@ -106,26 +107,32 @@ def _configs(shapes: tuple[tuple[int, int], ...], cpps: tuple[int, ...] = ()) ->
 # Keyed on the shape and the flags; the autotuner adds every tensor argument's dtype to the key itself.
 _KEY = ["d", "g", "L", "N", "HAS_D", "HAS_Z", "HAS_BIAS", "CHUNK"]
 _BWD_KEY = ["batch", *_KEY]  # the CPPs backward may pick depend on the batch (`backward_cpps`)
-# Only configs that compile for sm_90 without register spills at CHUNK = 256 (`python -m
-# train.bench.kernel_compile`, ptxas 12.9). At 4 and 8 warps, forward BLOCK_D 8 and 16 spill 52-688 bytes per
-# thread, backward BLOCK_D 4 spills 32-184 and BLOCK_D 8 332-1380, and backward BLOCK_D 2 at 4 warps 8-12 with the
-# Mamba block's flags (D, delta_bias, softplus). 16 warps spread the larger tiles: forward BLOCK_D 8 and backward
-# BLOCK_D 4 fit in 128 registers with Triton 3.8, except backward BLOCK_D 4 with z (16 bytes), which `_prune_backward`
-# drops; with Triton 3.6 (the H100 image) they spill 4 bytes (forward, every flag) and 24-32 (backward, the Mamba
-# block's flags), small enough to leave to the autotuner's timing. The one H100 run (docs/gpu/h100-2026-11-26b) found
-# both kernels bound by the latency of many small tile scans, so these larger tiles are candidates the autotuner
-# times, not a measured improvement. BLOCK_D must divide every CPP (>= 8) in backward.
-_WIDE_BACKWARD = (4, 16)  # (BLOCK_D, num_warps)
+# Only configs that compile for sm_90 without register spills as the JIT builds them at launch at the reference
+# shape (`python -m train.bench.kernel_compile`, Triton 3.8; docs/performance.md has every count). At 4 and 8 warps,
+# forward BLOCK_D 8 and 16 spill 52-688 bytes per thread (an unspecialised build, ptxas 12.9); backward BLOCK_D 2 at 8
+# warps takes 128 registers, BLOCK_D 4 at 4 warps 195-250 and at 16 warps 112-120, none spilling with any flags in
+# fp32 or bf16. (Built unspecialised, BLOCK_D 4 at 4 warps seemed to spill and at 16 warps to spill 16 bytes with z,
+# and both were dropped: the launch build does neither.) With Triton 3.6 (the H100 image) the 16-warp tiles spilled
+# 4-32 bytes. The one H100 run (docs/gpu/h100-2026-11-26b) found both kernels bound by the latency of many small tile
+# scans, so the larger tiles are candidates the autotuner times, not a measured improvement. BLOCK_D must divide every
+# CPP (>= 8) in backward.
 FWD_CONFIGS = ((2, 4), (4, 4), (4, 8), (8, 16))  # (BLOCK_D, num_warps) on a GPU, chunks of 128 and 256
-BWD_CONFIGS = ((2, 8), _WIDE_BACKWARD)
-# Chunks of <= 64 steps on 1-2 warps, compiled for sm_90 at CHUNK 64 with the Mamba block's flags
-# (`kernel_compile`): forward 61-124 registers; backward BLOCK_D 2 at 1 warp 147 registers and one barrier (between
-# channel blocks), at 2 warps 167. Backward BLOCK_D 1 at 1 warp spills 16 bytes, so it is not a candidate; nor is
-# BLOCK_D 2 at 1 warp without z and with fewer than two of D, delta_bias, softplus (`--flags every`: ptxas stops at
-# 168 registers there and spills 16-24 bytes; `_prune_backward` drops it).
+BWD_CONFIGS = ((2, 8), (4, 4), (4, 16))
+# Chunks of <= 64 steps on 1-2 warps, built as launched at CHUNK 64: forward 61-124 registers, no spill. Backward
+# BLOCK_D 1 at 1 warp spilled 16 bytes (unspecialised), so it is not a candidate. Backward BLOCK_D 2, spill stores per
+# thread with flags none / model (D, delta_bias, softplus) / all (with z): at 1 warp 16 / 16 / 8 bytes in fp32 and
+# none in bf16; at 2 warps 4 / 8 / 0 in both dtypes (ptxas holds them at 128 and 96 registers). `_prune_backward`
+# keeps the ones that do not spill, and where both do (fp32 without z) the 2-warp one, which spills less.
 SHORT_FWD_CONFIGS = ((1, 1), (2, 1), (4, 2))
-_ONE_WARP_BACKWARD = (2, 1)
-SHORT_BWD_CONFIGS = (_ONE_WARP_BACKWARD, (2, 2))
+SHORT_BWD_CONFIGS = ((2, 1), (2, 2))
+
+
+def _short_backward(element_size: int, has_z: bool) -> set[tuple[int, int]]:
+    """The short-chunk backward configs (BLOCK_D, num_warps) that spill least as launched, for inputs of this element
+    size (fp16 taken as bf16, fp64 as fp32: neither was compiled) and the z flag (numbers above)."""
+    if element_size >= 4:
+        return {(2, 2)}
+    return {(2, 1), (2, 2)} if has_z else {(2, 1)}
 
 
 def _for_chunk(configs: list[triton.Config], chunk: int, short: tuple, wide: tuple) -> list[triton.Config]:
@@ -139,15 +146,14 @@ def _prune_forward(configs: list[triton.Config], named_args: dict, **kwargs) -> 
 
 
 def _prune_backward(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """The backward configs for this chunk, shape and these flags: the chunk's own block configs, CPPs that
-    `backward_cpps` keeps, and none that spills registers with these flags (the wide one with z, the one-warp one
-    with few flags)."""
+    """The backward configs for this chunk, shape, dtype and these flags: the chunk's own block configs, CPPs that
+    `backward_cpps` keeps, and at short chunks the block configs that spill least as launched (`_short_backward`)."""
     cpps = backward_cpps(named_args["batch"], named_args["g"], named_args["d"] // named_args["g"])
-    spilling = {_WIDE_BACKWARD} if kwargs.get("HAS_Z") else set()
-    if not kwargs.get("HAS_Z") and kwargs.get("HAS_D", False) + kwargs.get("HAS_BIAS", False) + kwargs.get("SOFTPLUS", False) < 2:
-        spilling.add(_ONE_WARP_BACKWARD)
-    return [c for c in _for_chunk(configs, kwargs["CHUNK"], SHORT_BWD_CONFIGS, BWD_CONFIGS)
-            if c.kwargs["CPP"] in cpps and (c.kwargs["BLOCK_D"], c.num_warps) not in spilling]
+    short = SHORT_BWD_CONFIGS
+    if kwargs["CHUNK"] <= SHORT_CHUNK:
+        u = named_args.get("u_ptr")
+        short = _short_backward(u.element_size() if u is not None else 4, bool(kwargs.get("HAS_Z")))
+    return [c for c in _for_chunk(configs, kwargs["CHUNK"], short, BWD_CONFIGS) if c.kwargs["CPP"] in cpps]
 
 
 fwd_kernel = triton.autotune(configs=_configs(FWD_CONFIGS + SHORT_FWD_CONFIGS), key=_KEY,

@@ -42,7 +42,8 @@ from dataclasses import dataclass
 
 from routing import ConfigError
 
-DTYPES = {"fp32": "fp32", "bf16": "bf16"}  # input dtype name -> Triton pointer element type
+DTYPES = ("fp32", "bf16")  # input dtypes
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # their torch names (torch is imported where it is used)
 # The selective scan's optional inputs: none, the Mamba block's (D, delta_bias, softplus; z is applied outside),
 # and all four. `--flags every` takes all 16 combinations.
 FLAG_SETS = {
@@ -98,6 +99,7 @@ def _tuned(autotuner, fixed: dict, shape: dict | None = None):
 
 def cases(dtypes: list[str], flag_sets: dict[str, dict], kernels: str = "") -> list[Case]:
     """Every (kernel, autotune config, dtype, flags) to compile; `kernels` filters by substring of the name."""
+    import torch
     import triton
 
     from backbones.ops import selective_scan_triton as scan
@@ -113,7 +115,9 @@ def cases(dtypes: list[str], flag_sets: dict[str, dict], kernels: str = "") -> l
             ints = dict(SCAN_SHAPE, n_chunks=triton.cdiv(L, chunk), slots=slots)
             for constexprs, options in _tuned(scan.fwd_kernel, dict(fixed, STORE_STATES=True)):
                 found.append(Case("scan.fwd", scan.fwd_kernel.fn, variant, constexprs, options, dtype, ints))
-            for constexprs, options in _tuned(scan.bwd_kernel, fixed, SCAN_SHAPE):
+            # The pruner reads the batch, groups and channels, and u's dtype (named_args, as the autotuner passes them).
+            inputs = dict(SCAN_SHAPE, u_ptr=torch.empty(0, dtype=getattr(torch, TORCH_DTYPES[dtype]), device="meta"))
+            for constexprs, options in _tuned(scan.bwd_kernel, fixed, inputs):
                 found.append(Case("scan.bwd", scan.bwd_kernel.fn, variant, constexprs, options, dtype, ints))
         for kname, autotuner in (("wkv.fwd_sums", wkv._fwd_sums_kernel), ("wkv.fwd", wkv._fwd_kernel),
                                  ("wkv.bwd_sums", wkv._bwd_sums_kernel), ("wkv.bwd", wkv._bwd_kernel)):
@@ -139,11 +143,11 @@ def launch_build(case: Case, arch: int):
     from triton.runtime.jit import create_function_from_signature
 
     fp32 = _FP32_POINTERS - (set() if case.kernel.startswith("wkv") else _WKV_FP32)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}
     kwargs = dict(case.constexprs, **case.options)
     for arg in case.fn.arg_names:
         if arg.endswith("_ptr"):
-            kwargs[arg] = torch.empty(0, dtype=torch.float32 if arg in fp32 else dtype[case.dtype], device="meta")
+            dtype = torch.float32 if arg in fp32 else getattr(torch, TORCH_DTYPES[case.dtype])
+            kwargs[arg] = torch.empty(0, dtype=dtype, device="meta")
         elif arg not in case.constexprs:
             kwargs[arg] = case.ints[arg]
     backend = make_backend(GPUTarget("cuda", arch, 32))
