@@ -1,6 +1,6 @@
 // The CUDA selective scan's kernels (backbones/ops/selective_scan_cuda.cu) compiled for the CPU: each CUDA thread a
 // std::thread, shuffles and barriers emulated with std::barrier, so tests/test_selective_scan_cuda.py can run the
-// kernels' own code (indexing, carries, lane scans, the dB / dC tile) without a GPU. fp32 only; slow, for tests.
+// kernels' own code (indexing, carries, lane scans, the dB / dC tile) without a GPU. fp32 and bf16; slow, for tests.
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -78,8 +78,8 @@ template <typename Kernel> static void run(Kernel kernel, int blocks_x, int bloc
     }
 }
 
-// The launchers' arithmetic (selective_scan_cuda.py's `params`), for fp32 pointers.
-static Params make(const float* u, const float* delta, const float* z, const float* B, const float* C, const float* A,
+// The launchers' arithmetic (selective_scan_cuda.py's `params`); u, delta, z, B, C, dout in one dtype (fp32 or bf16).
+static Params make(const void* u, const void* delta, const void* z, const void* B, const void* C, const float* A,
                    const float* D, const float* bias, int batch, int d, int groups, int length, int n, int softplus) {
   Params p{};
   p.u = u; p.delta = delta; p.z = z; p.B = B; p.C = C; p.A = A; p.D = D; p.delta_bias = bias;
@@ -94,20 +94,22 @@ static Params make(const float* u, const float* delta, const float* z, const flo
 
 extern "C" int channel_blocks(int d, int groups) { return make(0, 0, 0, 0, 0, 0, 0, 0, 1, d, groups, 1, 1, 0).channel_blocks; }
 
-extern "C" void scan_fwd(const float* u, const float* delta, const float* z, const float* B, const float* C,
-                         const float* A, const float* D, const float* bias, float* out, float* states, int batch, int d,
-                         int groups, int length, int n, int softplus, int vec) {
+extern "C" void scan_fwd(const void* u, const void* delta, const void* z, const void* B, const void* C,
+                         const float* A, const float* D, const float* bias, void* out, float* states, int batch, int d,
+                         int groups, int length, int n, int softplus, int vec, int bf16) {
   Params p = make(u, delta, z, B, C, A, D, bias, batch, d, groups, length, n, softplus);
   p.out = out; p.states = states;
-  run(tread_scan::scan_fwd_kernel<float>, groups * p.fwd_blocks, batch, p, vec);
+  if (bf16) run(tread_scan::scan_fwd_kernel<__nv_bfloat16>, groups * p.fwd_blocks, batch, p, vec);
+  else run(tread_scan::scan_fwd_kernel<float>, groups * p.fwd_blocks, batch, p, vec);
 }
 
-extern "C" void scan_bwd(const float* u, const float* delta, const float* z, const float* B, const float* C,
-                         const float* A, const float* D, const float* bias, const float* dout, float* states,
-                         float* du, float* ddelta, float* dz, float* dA, float* dD, float* dbias, float* dB, float* dC,
-                         int batch, int d, int groups, int length, int n, int softplus, int vec) {
+extern "C" void scan_bwd(const void* u, const void* delta, const void* z, const void* B, const void* C,
+                         const float* A, const float* D, const float* bias, const void* dout, float* states,
+                         void* du, void* ddelta, void* dz, float* dA, float* dD, float* dbias, float* dB, float* dC,
+                         int batch, int d, int groups, int length, int n, int softplus, int vec, int bf16) {
   Params p = make(u, delta, z, B, C, A, D, bias, batch, d, groups, length, n, softplus);
   p.dout = dout; p.states = p.chunks > 1 ? states : nullptr;
   p.du = du; p.ddelta = ddelta; p.dz = dz; p.dA = dA; p.dD = dD; p.dbias = dbias; p.dB = dB; p.dC = dC;
-  run(tread_scan::scan_bwd_kernel<float>, groups * p.channel_blocks, batch, p, vec);
+  if (bf16) run(tread_scan::scan_bwd_kernel<__nv_bfloat16>, groups * p.channel_blocks, batch, p, vec);
+  else run(tread_scan::scan_bwd_kernel<float>, groups * p.channel_blocks, batch, p, vec);
 }
