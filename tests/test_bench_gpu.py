@@ -61,6 +61,10 @@ def test_dry_run_writes_every_section(tmp_path, capsys):
     assert saved["rounds"] == 3 and "3 rounds per speed row" in md and "| goal | median | range | verdict | note |" in md
     # Tiny shapes on a CPU decide no goal, but every goal is listed (the side-by-side's too, without --tread).
     assert len(saved["goals"]) == 16 and all(g["met"] is None and g["verdict"] == "not measured" for g in saved["goals"])
+    # ... though the rule reads the rounds of every goal whose rows ran, as it would on a GPU.
+    ruled = {g["goal"]: g["rule"] for g in saved["goals"] if g["n"]}
+    assert len(ruled) >= 8 and set(ruled.values()) <= {"met", "missed", "undecided"}
+    assert "the rule reads " in md
     assert report["sections"][0]["records"][0]["passed"]
     out = capsys.readouterr().out
     assert "[" in out and "kernels:" in out and "wrote" in out  # progress lines

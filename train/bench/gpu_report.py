@@ -60,17 +60,19 @@ def goals(sections: list[dict], dry_run: bool) -> list[dict]:
     def goal(text: str, value: dict, bound: float, fmt: str, at_most: bool = False, note: str = "", once: bool = False) -> dict:
         """`note`: why the value decides nothing (undecided whatever it reads); `once`: a value measured once by
         design (a compile), decided on its own."""
-        decided = "not measured" if dry_run else verdict(value["low"], value["high"], bound, at_most)
-        if decided != "not measured" and note:
-            decided = "undecided"
-        elif decided != "not measured" and value["n"] < ROUNDS and not once:
-            decided, note = "undecided", f"{value['n']} round(s), fewer than {ROUNDS}"
+        rule = verdict(value["low"], value["high"], bound, at_most)
+        if rule != "not measured" and note:
+            rule = "undecided"
+        elif rule != "not measured" and value["n"] < ROUNDS and not once:
+            rule, note = "undecided", f"{value['n']} round(s), fewer than {ROUNDS}"
         elif once and value["n"]:
             note = "measured once (a compile is not repeated)"
+        # A dry run applies the rule to its tiny shapes' rounds (`rule`, to check the command) and decides nothing.
+        decided = "not measured" if dry_run else rule
         shown = None if value["median"] is None else f"{value['median']:{fmt}}"
         return {"goal": text, "measured": shown, "median": value["median"], "low": value["low"], "high": value["high"],
                 "n": value["n"], "range": None if value["low"] is None else f"{value['low']:{fmt}}-{value['high']:{fmt}}",
-                "verdict": decided, "met": {"met": True, "missed": False}.get(decided), "note": note}
+                "verdict": decided, "rule": rule, "met": {"met": True, "missed": False}.get(decided), "note": note}
 
     def get(section: str, key: str) -> dict:
         return _spread(rows.get(section), key)
@@ -290,7 +292,10 @@ def markdown(report: dict) -> str:
     for g in report["goals"]:
         shown = {"missed": "**missed**", "undecided": "*undecided*"}.get(g["verdict"], g["verdict"])
         rounds = f" ({g['n']} rounds)" if g.get("n", 0) > 1 else ""
-        lines.append(f"| {g['goal']} | {g['measured'] or '-'} | {(g.get('range') or '-') + rounds} | {shown} | {g.get('note') or ''} |")
+        note = g.get("note") or ""
+        if report["dry_run"] and g.get("rule", "not measured") != "not measured":
+            note = "; ".join(x for x in (note, f"the rule reads {g['rule']} on the tiny shapes") if x)
+        lines.append(f"| {g['goal']} | {g['measured'] or '-'} | {(g.get('range') or '-') + rounds} | {shown} | {note} |")
     for kind, heading in HEADINGS.items():
         records = [r for s in sections for r in _records(s) if _table_kind(s, r) == kind]
         if not records:
