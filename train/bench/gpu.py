@@ -166,7 +166,7 @@ def official(s: Settings) -> dict:
 
 def sections(s: Settings) -> list[Section]:
     """Every section, the default set first in order of importance, with its time on one H100 (compiles included,
-    three rounds of timing): the families' and DiT's attention checks, the DiT goals and the trainer (about 450 s by
+    three rounds of timing): the families' and DiT's attention checks, the DiT goals and the trainer (about 460 s by
     these estimates, so the default budget of 480 s reaches them), then the scan kernels' checks and speed and the
     scan families (about 585 s more: a second call).
 
@@ -181,8 +181,8 @@ def sections(s: Settings) -> list[Section]:
     xl_tread = [Section("dit-XL-tread", "DiT-XL/2, TREAD, batch 64", "steps", 175, partial(step, s, "dit", "XL", "random", 64))]
     return [
         Section("families", "every family on the device against the CPU", "family_checks", 15, partial(family_checks, s)),
-        # Not run on a GPU yet: three eager DiT-XL/2 builds and steps at batch 4, guessed.
-        Section("attention", "DiT-XL/2's attention on the flash kernel at every routed shape", "attention_checks", 20,
+        # Not run on a GPU yet: three DiT-XL/2 builds (initialised on the CPU) and eager steps at batch 4, guessed.
+        Section("attention", "DiT-XL/2's attention on the flash kernel at every routed shape", "attention_checks", 30,
                 partial(attention_checks, s)),
         # With --tread the side-by-side measures our DiT-XL/2 TREAD step too (the same mode, the same route), so it
         # decides that row's goals and dit-XL-tread leaves the default set.
