@@ -20,6 +20,7 @@ import tempfile
 
 import torch
 
+from train.bench.spread import spread
 from train.bench.timing import step_clock, training_step
 from train.cli import ArgumentParser, bounded, friendly_errors, precompose
 
@@ -98,10 +99,12 @@ def main(argv=None) -> dict:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, threads={torch.get_num_threads()}"
     model = f"{cfg.backbone.name}-{cfg.backbone.preset}/{cfg.backbone.patch_size}, routing={cfg.routing.policy}, data={cfg.data.name}"
     print(f"{model} | batch {args.batch} | {where} | {args.rounds} rounds of {args.steps} steps, {clock_name} | torch {torch.__version__}")
+    # A round of each ran back to back, so each round's own ratio is meaningful: their range is the spread.
+    ratios = spread([t / b for t, b in zip(rates["trainer"], rates["bare"])])
     print(f"trainer {median['trainer']:.1f} images/s, bare step {median['bare']:.1f} images/s: "
-          f"trainer / bare = {median['trainer'] / median['bare']:.3f}")
+          f"trainer / bare = {median['trainer'] / median['bare']:.3f} (rounds {ratios['low']:.3f}-{ratios['high']:.3f})")
     return {"trainer_images_per_s": median["trainer"], "bare_images_per_s": median["bare"],
-            "ratio": median["trainer"] / median["bare"], "rounds": rates}
+            "ratio": median["trainer"] / median["bare"], "ratio_spread": ratios, "rounds": rates}
 
 
 if __name__ == "__main__":
