@@ -265,3 +265,31 @@ def test_a_pipeline_component_config_cut_short_is_named(pipeline, tmp_path, caps
     code, message = stopped(lambda: prepare_captions(cfg, log=lambda _: None), capsys)
     assert code == 2 and message.startswith(f"error: '{config}' is not valid JSON") and "fetch the model again" in message
     assert {str(p) for p in tmp_path.rglob("*")} == before
+
+
+@pytest.mark.parametrize("damage", ["other_weights", "config_half"])
+def test_a_timm_encoder_folder_with_other_weights_or_a_cut_config_is_refused(damage, tmp_path):
+    """align.weights as a timm folder: weights of another width than its config.json names, or that config cut in half,
+    is one sentence naming the file (the folder's encoder is built strictly from them)."""
+    import timm
+    from safetensors.torch import save_file
+    from timm.models import save_for_hf
+
+    from routing import FileError
+    from train.metrics.encoder import FrozenEncoder
+
+    small = dict(img_size=32, patch_size=4, depth=1, num_heads=2)
+    folder = tmp_path / "encoder"
+    save_for_hf(timm.create_model("vit_tiny_patch16_224", pretrained=False, embed_dim=48, **small), str(folder))
+    if damage == "other_weights":
+        save_file(timm.create_model("vit_tiny_patch16_224", pretrained=False, embed_dim=64, **small).state_dict(),
+                  folder / "model.safetensors")
+        culprit, says = folder / "model.safetensors", "does not hold the weights of the vit_tiny_patch16_224 that config.json"
+    else:
+        culprit, says = folder / "config.json", "is not valid JSON"
+        culprit.write_bytes(culprit.read_bytes()[: culprit.stat().st_size // 2])
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with pytest.raises(FileError) as err:
+        FrozenEncoder.load("unused: the folder names it", str(folder), 32, (4, 4))
+    assert str(err.value).startswith(f"'{culprit}' {says}") and "\n" not in str(err.value)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before

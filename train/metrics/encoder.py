@@ -59,21 +59,7 @@ class FrozenEncoder:
         if path.is_dir() and not (path / "config.json").is_file():
             raise ConfigError(f"align.weights={str(weights)!r} is a folder without config.json; give a timm folder (config.json + "
                               "model.safetensors, as timm's save_pretrained writes) or the weights file itself.")
-        folder = path.is_dir()
-        source = f"local-dir:{path}" if folder else name
-        fix = (f"align.weights takes {'this folder' if folder else name}'s weights: save them again (a .safetensors or .pth state dict "
-               "of the encoder, or a timm folder with config.json and model.safetensors)")
-        pretrained = (read_json(path / "config.json", fix).get("pretrained_cfg") or {}) if folder else (get_pretrained_cfg(name) or {})
-        if not isinstance(pretrained, dict):
-            pretrained = pretrained.to_dict()
-        file = path / "model.safetensors" if folder and (path / "model.safetensors").is_file() else path / "pytorch_model.bin" if folder else path
-        tensors = read_weights(file, fix)
-        # timm drops the classifier when num_classes changes, and then loads the rest without checking that every
-        # key fits; dropped here instead, timm loads strictly (after its own conversions, e.g. the position table
-        # resampled to input_size), so another model's weights are refused.
-        heads = pretrained.get("classifier") or ()
-        heads = (heads,) if isinstance(heads, str) else tuple(heads)
-        tensors = {k: v for k, v in tensors.items() if not k.startswith(tuple(f"{h}." for h in heads))}
+        source, file, tensors, architecture = _local_weights(name, path)
         overlay = {"state_dict": tensors, "file": None, "source": "", "hf_hub_id": None, "url": None, "num_classes": 0}
         quiet = logging.getLogger("timm.models._builder")  # its INFO line names a state dict, not the file read above
         level = quiet.level
@@ -87,6 +73,10 @@ class FrozenEncoder:
             if "Unknown model" in str(err):
                 raise ConfigError(f"align.encoder={name!r} is not a timm model name; give a timm name and a weights file of that model "
                                   "(python -c 'import timm; print(timm.list_models(\"*dinov2*\"))' lists names).") from None
+            if path.is_dir():
+                raise damaged(file, f"does not hold the weights of the {architecture or 'model'} that config.json beside "
+                                    f"it names ({_load_fault(err)})", "save the folder again (timm's save_pretrained), or point "
+                                    "align.weights at the weights of the encoder meant") from None
             raise damaged(file, f"does not hold {name}'s weights ({_load_fault(err)})", f"point align.weights at {name}'s weights, "
                           "or set align.encoder to the model these belong to") from None
         finally:
@@ -147,6 +137,29 @@ class CachedFeatures:
 
     def __call__(self, features: torch.Tensor) -> torch.Tensor:
         return pool_tokens(features.float(), self.grid, self.token_grid)
+
+
+def _local_weights(name: str, path: Path) -> tuple[str, Path, dict[str, torch.Tensor], str | None]:
+    """(timm source, weights file, its tensors without the classifier, the folder's architecture) for the encoder `name`
+    with the local weights `path`, a file or a timm folder; every file read whole through the typed loaders."""
+    folder = path.is_dir()
+    fix = (f"align.weights takes {'this folder' if folder else name}'s weights: save them again (a .safetensors or .pth state dict "
+           "of the encoder, or a timm folder with config.json and model.safetensors)")
+    config = read_json(path / "config.json", fix) if folder else {}
+    if not isinstance(config, dict):
+        raise damaged(path / "config.json", "is not a JSON object (timm's model config)", fix)
+    pretrained = (config.get("pretrained_cfg") or {}) if folder else (get_pretrained_cfg(name) or {})
+    if not isinstance(pretrained, dict):
+        pretrained = pretrained.to_dict()
+    file = (path / "model.safetensors" if (path / "model.safetensors").is_file() else path / "pytorch_model.bin") if folder else path
+    tensors = read_weights(file, fix)
+    # timm drops the classifier when num_classes changes, and then loads the rest without checking that every key
+    # fits; dropped here instead, timm loads strictly (after its own conversions, e.g. the position table resampled
+    # to input_size), so another model's weights are refused.
+    heads = pretrained.get("classifier") or ()
+    heads = (heads,) if isinstance(heads, str) else tuple(heads)
+    tensors = {k: v for k, v in tensors.items() if not k.startswith(tuple(f"{h}." for h in heads))}
+    return (f"local-dir:{path}" if folder else name), file, tensors, config.get("architecture")
 
 
 def _load_fault(err: RuntimeError) -> str:
