@@ -174,8 +174,8 @@ def load_lora(model: nn.Module, folder: str | os.PathLike) -> LoraSpec:
     """Add (if needed) and fill the LoRA of `folder` on `model`, which must be the class and config it was trained on.
 
     Anything that cannot be loaded raises ConfigError with a one-sentence message naming the folder or file and the
-    fix (FileError, a ConfigError, for a damaged, empty or truncated file); the model is left as it was, since every
-    file is read and checked before the LoRA is added."""
+    fix (FileError, a ConfigError, for a damaged, empty or truncated file). Every file is read and checked before the
+    LoRA is added, so a damaged folder, or one of another model, leaves the model as it was."""
     meta = read_lora_config(folder)
     cls, config = meta["model"]["class"], meta["model"]["config"]
     if cls != type(model).__name__:
