@@ -268,3 +268,18 @@ def test_bad_arguments_get_one_sentence(change, message):
         inputs |= dict(B=torch.zeros(2, 65, 17), C=torch.zeros(2, 65, 17))
     with pytest.raises(ValueError, match=message):
         ssc.prepare(**inputs)
+
+
+def test_custom_op_fake_gives_the_cuda_kernels_shapes():
+    """What torch.compile traces for backend="cuda" (fake CUDA tensors, no GPU needed): out like u, and the states
+    the CUDA forward stores, (b, d, chunks - 1, n) in fp32 at 256-step chunks."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import backbones.ops.selective_scan_op  # noqa: F401 - registers torch.ops.tread.selective_scan
+
+    with FakeTensorMode():
+        u = torch.empty(2, 6, 300, device="cuda", dtype=torch.bfloat16)
+        A, B = torch.empty(6, 16, device="cuda"), torch.empty(2, 16, 300, device="cuda", dtype=torch.bfloat16)
+        out, states = torch.ops.tread.selective_scan(u, u, A, B, B, None, None, None, True, "cuda")
+    assert (out.shape, out.dtype) == (u.shape, torch.bfloat16)
+    assert (tuple(states.shape), states.dtype) == (ssc.states_shape(2, 6, 300, 16), torch.float32) == ((2, 6, 1, 16), torch.float32)
