@@ -283,3 +283,14 @@ def test_custom_op_fake_gives_the_cuda_kernels_shapes():
         out, states = torch.ops.tread.selective_scan(u, u, A, B, B, None, None, None, True, "cuda")
     assert (out.shape, out.dtype) == (u.shape, torch.bfloat16)
     assert (tuple(states.shape), states.dtype) == (ssc.states_shape(2, 6, 300, 16), torch.float32) == ((2, 6, 1, 16), torch.float32)
+
+
+def test_missing_nvcc_is_one_sentence(monkeypatch):
+    from torch.utils import cpp_extension
+
+    from routing.errors import ConfigError
+
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(ConfigError, match="needs nvcc"):
+        ssc.check_compiler()

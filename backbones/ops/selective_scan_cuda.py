@@ -16,12 +16,14 @@ compares these kernels with the Triton and PyTorch scans. Select it with TREAD_S
 from __future__ import annotations
 
 import functools
+import shutil
 from pathlib import Path
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from backbones.ops.autocast import fp32_operator
+from routing.errors import ConfigError
 
 SOURCE = Path(__file__).with_suffix(".cu")
 CHUNK = 256  # steps per chunk: 32 lanes x 8 steps (CHUNK in the .cu)
@@ -148,11 +150,23 @@ def cuda_source() -> str:
     return SOURCE.read_text() + _LAUNCHERS
 
 
+def check_compiler() -> None:
+    """Refuses in one sentence when nvcc, which the first call needs to build the kernels, is not found."""
+    from torch.utils import cpp_extension
+
+    home = cpp_extension.CUDA_HOME
+    if not (home and (Path(home) / "bin" / "nvcc").exists()) and shutil.which("nvcc") is None:
+        raise ConfigError("TREAD_SCAN_BACKEND=cuda builds its kernels on first use and needs nvcc, which is not on "
+                          "PATH or under CUDA_HOME; install the CUDA toolkit (or set CUDA_HOME), or use "
+                          "TREAD_SCAN_BACKEND=triton.")
+
+
 @functools.cache
 def extension():
     """The compiled kernels (built on the first call, then loaded from torch's extension cache)."""
     from torch.utils.cpp_extension import load_inline
 
+    check_compiler()
     return load_inline(name="tread_selective_scan_cuda", cpp_sources=_DECLARATIONS, cuda_sources=cuda_source(),
                        functions=["scan_fwd", "scan_bwd"], extra_cuda_cflags=["-O3"])
 
