@@ -92,6 +92,10 @@ def selective_scan_backward_op(
         kernels = _kernels(path)
         grads = list(kernels.scan_backward(dout, *kernels.prepare(*inputs), delta_softplus, states))
         grads[3], grads[4] = grads[3].view(B.shape), grads[4].view(C.shape)  # (b, 1, n, l) -> (b, n, l) if ungrouped
+        if path == "triton":  # dB and dC (dD and dbias) are views of one sum; an op's outputs may not alias
+            grads[4] = grads[4].clone()
+            if grads[5] is not None and grads[7] is not None:
+                grads[7] = grads[7].clone()
     else:
         from backbones.ops.cuda_kernels import scan_implementation
 

@@ -243,12 +243,14 @@ def scan_backward(dout, u, delta, A, B, C, D, z, delta_bias, delta_softplus: boo
     acc = A.dtype
     du, ddelta = torch.empty_like(u), torch.empty_like(delta)
     dz = torch.empty_like(z) if z is not None else None
-    # Sums still to be taken by torch: over the batch (A, D, delta_bias) and over channel super-blocks (B, C).
+    # Sums still to be taken by torch: over the batch (A, D, delta_bias) and over channel super-blocks (B, C). D's and
+    # delta_bias's partials share one buffer, and B's and C's, so each pair is one reduction (and one cast).
     dA = u.new_empty(b, d, n, dtype=acc)
-    dD = u.new_empty(b, d, dtype=acc) if D is not None else None
-    dbias = u.new_empty(b, d, dtype=acc) if delta_bias is not None else None
-    dB = u.new_empty(b, g, slots, n, length, dtype=acc)
-    dC = torch.empty_like(dB)
+    d_skip = u.new_empty(2, b, d, dtype=acc)  # [dD, dbias] per batch element
+    dD = d_skip[0] if D is not None else None
+    dbias = d_skip[1] if delta_bias is not None else None
+    d_bc = u.new_empty(2, b, g, slots, n, length, dtype=acc)  # [dB, dC] partial rows
+    dB, dC = d_bc[0], d_bc[1]
     absent = A
     grid = lambda meta: (g * triton.cdiv(k, meta["CPP"]), b)  # noqa: E731
     flags = _flags(A, D, z, delta_bias, delta_softplus)
@@ -264,9 +266,14 @@ def scan_backward(dout, u, delta, A, B, C, D, z, delta_bias, delta_softplus: boo
         BLOCK_N=triton.next_power_of_2(n), CHUNK=chunk,
     )
     parts = triton.cdiv(k, config.kwargs["CPP"])  # the slots the config that ran wrote
-    dB, dC = dB[:, :, :parts].sum(2).to(B.dtype), dC[:, :, :parts].sum(2).to(C.dtype)  # (b, g, parts, n, l) -> (b, g, n, l)
-    return (du, ddelta, dA.sum(0), dB, dC, dD.sum(0) if dD is not None else None, dz,
-            dbias.sum(0) if dbias is not None else None)
+    d_bc = d_bc[:, :, :, :parts].sum(3)  # (2, b, g, parts, n, l) -> (2, b, g, n, l)
+    dB, dC = d_bc.to(B.dtype).unbind(0) if B.dtype == C.dtype else (d_bc[0].to(B.dtype), d_bc[1].to(C.dtype))
+    if D is not None or delta_bias is not None:
+        d_skip = (d_skip if D is not None and delta_bias is not None else d_skip[:1] if D is not None else d_skip[1:])
+        sums = iter(d_skip.sum(1).unbind(0))  # (2 or 1, b, d) -> d-vectors
+        dD = next(sums) if D is not None else None
+        dbias = next(sums) if delta_bias is not None else None
+    return du, ddelta, dA.sum(0), dB, dC, dD, dz, dbias
 
 
 def prepare(u, delta, A, B, C, D=None, z=None, delta_bias=None):
