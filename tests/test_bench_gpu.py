@@ -447,3 +447,13 @@ def test_the_attention_check_sees_the_fp32_block_after_a_route(monkeypatch):
     assert none["passed"] and not tread["passed"]
     assert tread["blockers"] == ["16 tokens x head dim 32 float32: dtypes torch.float32, torch.float32, torch.float32 "
                                  "(flash takes one of fp16, bf16)"]
+
+
+def test_the_cuda_scan_row_is_opt_in_and_needs_cuda(tmp_path):
+    # kernel-speed-cuda compiles issue 46's CUDA scan on its first call (minutes), so no default run pays for it; without
+    # a GPU its row records why it could not run instead of stopping the check.
+    assert "kernel-speed-cuda" in gpu.OPT_IN
+    gpu.main(["--dry-run", "--sections", "kernel-speed-cuda", "--out", str(tmp_path / "out")])
+    (section,) = json.loads((tmp_path / "out" / "report.json").read_text())["sections"]
+    (row,) = section["records"]
+    assert row["kernel"] == "selective scan, CUDA (load_inline)" and "needs CUDA tensors" in row["error"]

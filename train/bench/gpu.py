@@ -87,13 +87,14 @@ def attention_checks(s: Settings) -> dict:
     return _checked(PROGRESS.collect(checks(_device(s), s.preset("XL"), s.size, s.batch(4))))
 
 
-def kernel_speed(s: Settings, precision: str = "bf16") -> dict:
-    """The kernels in bf16 (their goals) with the scan's 64-step chunks beside it; or in fp32 (opt-in, no goal)."""
+def kernel_speed(s: Settings, precision: str = "bf16", cuda_scan: bool = False) -> dict:
+    """The kernels in bf16 (their goals) with the scan's 64-step chunks beside it; or in fp32 (opt-in, no goal); or
+    the scan's CUDA backend alone (opt-in until a GPU has timed it)."""
     from train.bench.gpu_speed import kernel_rows
 
     scan, wkv = ((1, 4, 8, 4), (1, 8, 4)) if s.dry_run else ((64, 768, 256, 16), (64, 256, 384))
     rows = PROGRESS.collect(kernel_rows(_kernel_device(s), scan, wkv, *_repeats(s, 20, 5), rounds=s.rounds, precisions=(precision,),
-                                        short_chunks=precision == "bf16"))
+                                        short_chunks=precision == "bf16", cuda_scan=cuda_scan))
     for row in rows if s.dry_run else []:
         row["goal_met"] = None  # tiny shapes decide no goal
     broken = [r for r in rows if "error" in r]
@@ -203,6 +204,10 @@ def sections(s: Settings) -> list[Section]:
         *(xl_tread if official_row else []),
         Section("dit-B-sprint", "DiT-B/2, SPRINT, batch 128, 32x32x3", "steps", 45, partial(step, s, "dit", "B", "sprint", 128, 3)),
         Section("kernel-speed-fp32", "kernels at their reference shapes, fp32", "kernel_speed", 40, partial(kernel_speed, s, "fp32")),
+        # Issue 46's CUDA scan (backbones/ops/selective_scan_cuda.py): load_inline compiles it on the first call (minutes on
+        # 16 cores, a guess: 6-14 min on this project's 2-core CPU), then it is timed as the Triton rows are.
+        Section("kernel-speed-cuda", "the selective scan's CUDA backend (load_inline), bf16", "kernel_speed", 240,
+                partial(kernel_speed, s, "bf16", True)),
         # Issue 47's MFU goals also hold at the largest batch that fits: 128 is a guess for one 80 GB H100 (64 fitted in
         # the H100 runs; nothing searches for the largest). Not run yet: its time is guessed from dit-XL-tread's.
         Section("dit-XL-tread-b128", "DiT-XL/2, TREAD, batch 128", "steps", 190, partial(step, s, "dit", "XL", "random", 128)),
@@ -213,9 +218,9 @@ def sections(s: Settings) -> list[Section]:
 
 
 SECTION_NAMES = ("families", "attention", "dit-XL-tread", "dit-XL-sprint", "dit-B-tread", "trainer", "kernels", "kernel-speed", "dit-S",
-                 "mamba-S", "rwkv-S", "dit-B-sprint", "kernel-speed-fp32", "dit-XL-tread-b128", "scaling")
+                 "mamba-S", "rwkv-S", "dit-B-sprint", "kernel-speed-fp32", "kernel-speed-cuda", "dit-XL-tread-b128", "scaling")
 OPTIONAL_SECTIONS = ("dit-XL-official",)  # only with --tread
-OPT_IN = ("dit-B-sprint", "kernel-speed-fp32", "dit-XL-tread-b128", "scaling")  # run only when --sections names them
+OPT_IN = ("dit-B-sprint", "kernel-speed-fp32", "kernel-speed-cuda", "dit-XL-tread-b128", "scaling")  # run only when --sections names them
 
 
 def default_set(s: Settings) -> list[str]:

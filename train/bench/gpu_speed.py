@@ -150,26 +150,29 @@ def scan_ideal_bytes(b: int, d: int, length: int, n: int, element: int) -> tuple
 
 
 def kernel_rows(device: torch.device, scan_shape: tuple[int, ...], wkv_shape: tuple[int, ...], repeats: int, warmup: int,
-                rounds: int = ROUNDS, precisions: tuple[str, ...] = ("bf16", "fp32"), short_chunks: bool = True) -> Iterator[dict]:
+                rounds: int = ROUNDS, precisions: tuple[str, ...] = ("bf16", "fp32"), short_chunks: bool = True,
+                cuda_scan: bool = False) -> Iterator[dict]:
     """Triton kernel and the chunked PyTorch op, forward and forward+backward, interleaved, with the ideal bytes
     against the card's bandwidth, one row at a time. Goals (issue 36, bf16): scan <= 0.6 ms, Bi-WKV <= 0.4 ms
     forward+backward. A last row times the scan in bf16 with 64-step chunks (TREAD_SCAN_CHUNK=64, the 1-2 warp
     configs) beside the default 256; the goal is decided by the default's row. Each row times `rounds` rounds and
     keeps them (the goal is decided on their range); `precisions` and `short_chunks` choose the rows (the fp32 ones
-    decide no goal)."""
+    decide no goal). `cuda_scan` times the scan's CUDA backend (TREAD_SCAN_BACKEND=cuda, compiled by load_inline on its
+    first call, minutes) in place of the other rows: opt-in until a GPU has timed it, so it decides no goal yet."""
     from backbones.ops import selective_scan_triton, wkv_triton
     from backbones.ops.cuda_kernels import scan_fn
     from backbones.ops.wkv import bi_wkv
 
     from train.bench.gpu_checks import guarded, scan_inputs, wkv_inputs
 
-    def scan(precision: str, name: str = "selective scan") -> dict:
+    def scan(precision: str, name: str = "selective scan", primary: str = "triton") -> dict:
         inputs = {k: v for k, v in scan_inputs(b, d, length, n, device, precision).items() if k != "z"}
         inputs["delta_bias"] = torch.full((d,), -4.0, device=device)  # softplus(-4) ~ 0.018, a typical step
-        row = _time_kernel(name, precision, f"b{b} d{d} L{length} N{n}", inputs, 0.6 if precision == "bf16" else None,
+        goal = 0.6 if precision == "bf16" and primary == "triton" else None
+        row = _time_kernel(name, precision, f"b{b} d{d} L{length} N{n}", inputs, goal,
                            lambda backend, **kw: scan_fn(**kw, delta_softplus=True, backend=backend),
-                           scan_ideal_bytes(b, d, length, n, _bytes(precision)), repeats, warmup, device, rounds)
-        return {**row, "tuned": tuned_configs(selective_scan_triton)}
+                           scan_ideal_bytes(b, d, length, n, _bytes(precision)), repeats, warmup, device, rounds, primary)
+        return {**row, "tuned": tuned_configs(selective_scan_triton) if primary == "triton" else {}}
 
     def wkv(precision: str) -> dict:
         row = _time_kernel("Bi-WKV", precision, f"B{B} T{T} C{C}", wkv_inputs(B, T, C, device, precision),
@@ -179,6 +182,12 @@ def kernel_rows(device: torch.device, scan_shape: tuple[int, ...], wkv_shape: tu
 
     b, d, length, n = scan_shape
     B, T, C = wkv_shape
+    if cuda_scan:
+        for precision in precisions:
+            name = "selective scan, CUDA (load_inline)"
+            yield guarded({"kernel": name, "precision": precision, "shape": f"b{b} d{d} L{length} N{n}"},
+                          lambda: scan(precision, name, "cuda"))
+        return
     for precision in precisions:
         yield guarded({"kernel": "selective scan", "precision": precision, "shape": f"b{b} d{d} L{length} N{n}"},
                       lambda: scan(precision))
@@ -214,10 +223,12 @@ def _bytes(precision: str) -> int:
     return 2 if precision == "bf16" else 4
 
 
-def _time_kernel(kernel, precision, shape, inputs, goal_ms, op, ideal, repeats, warmup, device, rounds) -> dict:
+def _time_kernel(kernel, precision, shape, inputs, goal_ms, op, ideal, repeats, warmup, device, rounds,
+                 primary: str = "triton") -> dict:
+    """One kernel row: the `primary` backend against the chunked PyTorch op, forward and forward+backward."""
     leaves = {k: v.detach().clone().requires_grad_() for k, v in inputs.items()}
     calls = {}
-    for backend in ("triton", "torch"):
+    for backend in (primary, "torch"):
         def forward(backend=backend):
             with torch.no_grad():
                 op(backend, **leaves)
@@ -229,21 +240,21 @@ def _time_kernel(kernel, precision, shape, inputs, goal_ms, op, ideal, repeats, 
 
         calls[backend, "fwd"], calls[backend, "fwd+bwd"] = forward, both
     tic = time.perf_counter()
-    calls["triton", "fwd+bwd"]()  # the first call: Triton's compile and autotuning, timed apart
+    calls[primary, "fwd+bwd"]()  # the first call: the compile (and Triton's autotuning), timed apart
     _sync(device)
     first_s = time.perf_counter() - tic
     per_round = {key: [s * 1e3 for s in v] for key, v in interleaved_rounds(calls, rounds, repeats, warmup, device).items()}
     ms = {key: statistics.median(v) for key, v in per_round.items()}
-    launches = launch_profile(calls["triton", "fwd+bwd"], device)
+    launches = launch_profile(calls[primary, "fwd+bwd"], device)
     peak = card_bandwidth(device)
-    achieved = ideal[1] / (ms["triton", "fwd+bwd"] / 1e3)
-    return {"kernel": kernel, "precision": precision, "shape": shape, "ms_fwd": ms["triton", "fwd"],
-            "ms_fwd_bwd": ms["triton", "fwd+bwd"], "ms_torch_fwd": ms["torch", "fwd"], "ms_torch_fwd_bwd": ms["torch", "fwd+bwd"],
-            "speedup_vs_torch": ms["torch", "fwd+bwd"] / ms["triton", "fwd+bwd"], "ideal_bytes_fwd": ideal[0],
+    achieved = ideal[1] / (ms[primary, "fwd+bwd"] / 1e3)
+    return {"kernel": kernel, "precision": precision, "shape": shape, "ms_fwd": ms[primary, "fwd"],
+            "ms_fwd_bwd": ms[primary, "fwd+bwd"], "ms_torch_fwd": ms["torch", "fwd"], "ms_torch_fwd_bwd": ms["torch", "fwd+bwd"],
+            "speedup_vs_torch": ms["torch", "fwd+bwd"] / ms[primary, "fwd+bwd"], "ideal_bytes_fwd": ideal[0],
             "ideal_bytes_fwd_bwd": ideal[1], "achieved_gbps": achieved / 1e9, "peak_fraction": achieved / peak if peak else None,
             "roofline_ms": ideal[1] / peak * 1e3 if peak else None, "goal_ms": goal_ms,
-            "goal_met": None if goal_ms is None else ms["triton", "fwd+bwd"] <= goal_ms, "launches": launches,
-            "first_s": first_s, "rounds": {"ms_fwd": per_round["triton", "fwd"], "ms_fwd_bwd": per_round["triton", "fwd+bwd"]}}
+            "goal_met": None if goal_ms is None else ms[primary, "fwd+bwd"] <= goal_ms, "launches": launches,
+            "first_s": first_s, "rounds": {"ms_fwd": per_round[primary, "fwd"], "ms_fwd_bwd": per_round[primary, "fwd+bwd"]}}
 
 
 def launch_profile(call, device: torch.device, top: int = 10) -> list[dict]:

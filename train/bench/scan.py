@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from backbones.ops.cuda_kernels import cuda_selective_scan, triton_selective_scan
+from backbones.ops.cuda_kernels import cuda_selective_scan, scan_fn, triton_selective_scan
 from backbones.ops.selective_scan import num_chunks, selective_scan, selective_scan_ref
 from backbones.ops.selective_scan_env import check_scan_environment
 from train.bench.timing import device_columns, device_times, roofline
@@ -199,9 +199,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=bounded(int, 1, example="--threads 2"), default=2)
     parser.add_argument("--device", type=device_type, default="cpu", help="cuda adds our Triton kernel, and mamba-ssm's when it is installed")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="dtype of u, delta, B, C (state and sums stay fp32)")
+    parser.add_argument("--cuda-kernel", action="store_true", help="with --device cuda, add our CUDA scan (TREAD_SCAN_BACKEND=cuda; "
+                        "load_inline compiles it on the first call, minutes)")
     parser.add_argument("--count-kernels", action="store_true", help="count the kernels of one Mamba block's training "
                         "step, eager and compiled, instead of timing the scan")
     args = parser.parse_args(argv)
+    if args.cuda_kernel and args.device != "cuda":
+        parser.error("--cuda-kernel times a CUDA kernel: add --device cuda on a machine with a GPU")
     for note in check_scan_environment(torch.device(args.device).type == "cuda"):  # TREAD_SCAN_*: one sentence
         print(note)
     if args.count_kernels:
@@ -246,6 +250,8 @@ def main(argv: list[str] | None = None) -> None:
         with torch.no_grad():
             diff = (rows["Triton"][0]().float() - ours().float()).abs().max().item()
         print(f"Triton matches ours to max |diff| = {diff:.1e}")
+    if args.cuda_kernel:
+        rows["ours, CUDA"] = (lambda: scan_fn(u, delta, A, B, C, D, None, delta_bias, True, backend="cuda"), args.repeats)
     pscan_scan = _mambapy_scan()
     if pscan_scan is None:
         print("mambapy is not installed (pip install mambapy); its column is skipped.")
