@@ -62,3 +62,16 @@ def test_a_folder_for_an_output_that_is_a_file_is_refused(tmp_path, capsys):
     assert stopped.value.code == 2 and "is a file, not a folder" in capsys.readouterr().err
     assert (tmp_path / "out").read_text() == "a file"
 
+
+
+@pytest.mark.parametrize("bench,argv", [("routing", []), ("scan", []), ("gpu", ["--dry-run"])])
+def test_a_bad_scan_switch_is_one_sentence_before_any_work(bench, argv, tmp_path, monkeypatch, capsys):
+    # The benches that may run the selective scan check TREAD_SCAN_BACKEND as python -m train does (issue 50, item 3).
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TREAD_SCAN_BACKEND", "TRITON")
+    with pytest.raises(SystemExit) as stopped:
+        importlib.import_module(f"train.bench.{bench}").main(argv)
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert stopped.value.code == 2 and out == "" and list(tmp_path.iterdir()) == []
+    assert len(lines) == 1 and "TREAD_SCAN_BACKEND='TRITON' is not a selective scan backend" in lines[0], err

@@ -269,6 +269,20 @@ def device(text: str) -> str:
         raise argparse.ArgumentTypeError(str(err).split("=", 1)[-1].rstrip(".")) from None
 
 
+def check_scan_switches(parser: argparse.ArgumentParser, cuda: bool) -> None:
+    """TREAD_SCAN_BACKEND and TREAD_SCAN_CHUNK (backbones/ops/selective_scan_env.py) for a command that may run the
+    scan: a bad value is the parser's one sentence and exit 2, before any work; a value that does nothing on this
+    machine is one line on stderr."""
+    from backbones.ops.selective_scan_env import check_scan_environment
+
+    try:
+        notes = check_scan_environment(cuda)
+    except ConfigError as err:
+        parser.error(str(err))
+    for note in notes:
+        print(note, file=sys.stderr)
+
+
 def check_presets(parser: argparse.ArgumentParser, family: str, presets: list[str], flag: str = "--presets") -> None:
     """Refuse, in one sentence, a preset that backbone `family` does not define (before any model is built)."""
     from backbones import family_module

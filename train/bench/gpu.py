@@ -33,7 +33,7 @@ from pathlib import Path
 from train.bench.gpu_budget import PROGRESS, Section, run_sections
 from train.bench.spread import ROUNDS, ratio_range
 from routing import ConfigError
-from train.cli import ArgumentParser, bounded, device as device_type, output_folder, refuse
+from train.cli import ArgumentParser, bounded, check_scan_switches, device as device_type, output_folder, refuse
 
 
 @dataclass
@@ -321,6 +321,7 @@ def parse(argv: list[str] | None):
         p.error(f"--compile-regions makes regions of the whole compiled network; use it with --compile model (not {args.compile})")
     if args.cuda_graphs and args.compile != "model":
         p.error(f"--cuda-graphs captures the whole compiled step; use it with --compile model (not {args.compile})")
+    check_scan_switches(p, not args.dry_run)  # the dry run's kernels run in Triton's interpreter
     return args
 
 

@@ -32,7 +32,7 @@ from routing import count_flops
 from train.bench.gpu_profile import profile_call
 from train.bench.spread import interleaved_rounds
 from train.bench.timing import training_step
-from train.cli import ArgumentParser, bounded, check_presets, check_tokens, device as device_type
+from train.cli import ArgumentParser, bounded, check_presets, check_scan_switches, check_tokens, device as device_type
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -154,6 +154,7 @@ def main(argv=None) -> list[dict]:
     args = p.parse_args(argv)
     check_presets(p, args.backbone, args.presets)
     check_tokens(p, args.input_size, args.patch)
+    check_scan_switches(p, args.device.startswith("cuda"))
     if args.compile_regions and args.compile != "model":
         p.error(f"--compile-regions makes regions inside the whole compiled network; add --compile model (not {args.compile})")
     if args.threads:

@@ -31,9 +31,8 @@ import torch.nn.functional as F
 
 from backbones.ops.cuda_kernels import cuda_selective_scan, scan_fn, triton_selective_scan
 from backbones.ops.selective_scan import num_chunks, selective_scan, selective_scan_ref
-from backbones.ops.selective_scan_env import check_scan_environment
 from train.bench.timing import device_columns, device_times, roofline
-from train.cli import ArgumentParser, bounded, device as device_type
+from train.cli import ArgumentParser, bounded, check_scan_switches, device as device_type
 
 REFERENCE = dict(b=64, d=768, length=256, n=16)  # the shape: one direction of a Mamba-S/B mixer at batch 64
 # Largest b * d * l * n at which the sequential reference (autograd through one step at a time) is timed.
@@ -206,8 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.cuda_kernel and args.device != "cuda":
         parser.error("--cuda-kernel times a CUDA kernel: add --device cuda on a machine with a GPU")
-    for note in check_scan_environment(torch.device(args.device).type == "cuda"):  # TREAD_SCAN_*: one sentence
-        print(note)
+    check_scan_switches(parser, torch.device(args.device).type == "cuda")
     if args.count_kernels:
         print_block_kernel_counts(torch.device(args.device))
         return
