@@ -155,6 +155,12 @@ def test_readme_has_its_commands_and_no_commit_id():
     assert commit_ids(text) == []
 
 
+@pytest.mark.parametrize("page", GUIDES, ids=lambda p: p.name)
+def test_no_guide_names_a_commit_id(page):
+    """Which commit measured what is history: docs/reports/ (and the docs/gpu/ report folders) keep it."""
+    assert commit_ids(page.read_text()) == []
+
+
 def test_a_commit_id_is_found_and_a_colour_is_not():
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT, check=True).stdout.strip()
     assert commit_ids(f"measured at {head[:7]}, colour #1f77b4, digest {'e' * 8}") == [head[:7]]
