@@ -1,6 +1,6 @@
 """The cross-backbone table, end to end: cells, cost, quality, then the report (`python -m train.bench`).
 
-    python -m train.bench                   # default mode: the digits table in docs/benchmarks.md
+    python -m train.bench                   # default mode: the digits table (docs/reports/2026-11-22-bench-digits.md)
     python -m train.bench bench=fashion     # Fashion-MNIST at 256 tokens, 3 seeds, held-out scores, equal compute
     python -m train.bench bench=quick       # the whole 3 x 3 grid in under 10 minutes on 2 CPU cores
     python -m train.bench bench=smoke       # tiny everything, seconds (tests)
