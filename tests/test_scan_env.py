@@ -26,6 +26,8 @@ def _clean_env(monkeypatch):
     ({"TREAD_SCAN_BACKEND": "triton"}, "TREAD_SCAN_BACKEND=triton needs a CUDA GPU and this machine has none"),
     ({"TREAD_SCAN_CHUNK": "7"}, "TREAD_SCAN_CHUNK='7' is not a chunk length the selective scan takes; use one of 16,"),
     ({"TREAD_SCAN_CHUNK": "abc"}, "TREAD_SCAN_CHUNK='abc' is not a chunk length"),
+    ({"TREAD_SSD_BACKEND": "mamba"}, "TREAD_SSD_BACKEND must be one of"),
+    ({"TREAD_SSD_BACKEND": "fla"}, "TREAD_SSD_BACKEND=fla needs CUDA tensors"),
 ])
 def test_bad_values_are_refused_in_one_sentence(monkeypatch, env, words):
     for name, value in env.items():

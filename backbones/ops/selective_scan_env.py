@@ -1,4 +1,5 @@
-"""The selective scan's environment switches, checked once when a command starts.
+"""The scans' environment switches (TREAD_SCAN_BACKEND, TREAD_SCAN_CHUNK, TREAD_SSD_BACKEND), checked once when a
+command starts.
 
 TREAD_SCAN_BACKEND picks the scan's implementation (backbones/ops/cuda_kernels.py) and TREAD_SCAN_CHUNK the Triton
 kernels' longest chunk (selective_scan_triton.max_chunk). The scan reads them where it runs: after the model is
@@ -50,4 +51,12 @@ def check_scan_environment(cuda: bool | None = None) -> list[str]:
             why = f"TREAD_SCAN_BACKEND={backend}" if backend else ("no CUDA GPU" if not cuda else "auto picks it here")
             notes.append(f"note: TREAD_SCAN_CHUNK={chunk} does nothing here: it sets the Triton scan's chunk, and this "
                          f"run's selective scan is {path} ({why}).")
+    ssd = os.environ.get("TREAD_SSD_BACKEND")
+    if ssd is not None:  # Mamba-2's SSD (backbones/ops/ssd_fla.py): its own rules, read here once instead of mid-run
+        from backbones.ops.ssd_fla import ssd_backend
+
+        try:
+            ssd_backend(cuda)
+        except (RuntimeError, ValueError) as err:
+            raise ConfigError(f"{str(err).rstrip('.')}; unset TREAD_SSD_BACKEND for auto.") from None
     return notes
