@@ -163,7 +163,8 @@ def test_no_guide_names_a_commit_id(page):
 
 def test_a_commit_id_is_found_and_a_colour_is_not():
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT, check=True).stdout.strip()
-    assert commit_ids(f"measured at {head[:7]}, colour #1f77b4, digest {'e' * 8}") == [head[:7]]
+    # Twelve digits, not seven: a seven-digit prefix can be all decimal (5331426), which commit_ids rightly reads as a number.
+    assert commit_ids(f"measured at {head[:12]}, colour #1f77b4, digest {'e' * 8}") == [head[:12]]
 
 
 @pytest.mark.parametrize("module, args", readme_commands(), ids=lambda v: v if isinstance(v, str) else " ".join(v)[:40])
