@@ -4,7 +4,6 @@ samples become animated grids (GIF, or MP4 through imageio-ffmpeg), one grid per
 from __future__ import annotations
 
 import io
-import os
 from pathlib import Path
 
 import numpy as np
@@ -43,19 +42,17 @@ def save_grid(images: torch.Tensor, path: Path, per_row: int) -> Path:
         path = path.with_suffix(".gif")
     frames = [_grid(images[:, :, i], per_row) for i in range(images.shape[2])]  # (n, C, T, H, W) -> T grids (C, H', W')
     pixels = [(f.clamp(0, 1) * 255).round().byte().permute(1, 2, 0).expand(-1, -1, 3).numpy() for f in frames]  # (H', W', 3)
-    tmp = path.with_name(f".{path.name}.tmp{path.suffix}")
-    try:
-        if path.suffix.lower() == ".mp4":
-            _write_mp4(pixels, tmp)
-        else:
-            from PIL import Image
-
-            first, *rest = [Image.fromarray(np.ascontiguousarray(p)) for p in pixels]
-            first.save(tmp, save_all=True, append_images=rest, duration=round(1000 / FPS), loop=0)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    # write_atomic's temporary (`.<name>.<pid>.tmp`) has no video suffix, so each writer is told its format; the pid in
+    # its name lets the next start remove one a kill left (train/rundir.py, remove_stale_temporaries).
+    write_atomic(path, (lambda tmp: _write_mp4(pixels, tmp)) if path.suffix.lower() == ".mp4" else (lambda tmp: _write_gif(pixels, tmp)))
     return path
+
+
+def _write_gif(frames: list[np.ndarray], path: Path) -> None:
+    from PIL import Image
+
+    first, *rest = [Image.fromarray(np.ascontiguousarray(p)) for p in frames]
+    first.save(path, format="GIF", save_all=True, append_images=rest, duration=round(1000 / FPS), loop=0)
 
 
 def _write_mp4(frames: list[np.ndarray], path: Path) -> None:
@@ -63,7 +60,8 @@ def _write_mp4(frames: list[np.ndarray], path: Path) -> None:
 
     h, w = frames[0].shape[:2]
     pad = ((0, h % 2), (0, w % 2), (0, 0))  # H.264 in yuv420p needs even sides
-    writer = imageio_ffmpeg.write_frames(str(path), (w + w % 2, h + h % 2), fps=FPS, macro_block_size=1, quality=8)
+    writer = imageio_ffmpeg.write_frames(str(path), (w + w % 2, h + h % 2), fps=FPS, macro_block_size=1, quality=8,
+                                         output_params=["-f", "mp4"])  # the temporary's name has no suffix to go by
     writer.send(None)
     for frame in frames:
         writer.send(np.ascontiguousarray(np.pad(frame, pad)))
