@@ -110,3 +110,30 @@ def test_the_gpu_checks_opt_in_section_runs_the_dry_run(tmp_path, monkeypatch):
     assert section["name"] == "scaling" and section["status"] == "measured", section["note"]
     assert [(r["family"], r["recipe"], r["tokens"], r["fits"]) for r in section["records"]] == [
         ("dit", recipe, 16, True) for recipe in scaling.RECIPES]
+    md = (tmp_path / "report.md").read_text()  # the report's table of the grid, one row per cell
+    assert "## Cost against tokens (train.bench.scaling)" in md and scaling.header(timed=True) in md
+    assert md.count("| dit | tiny | ") == 3 and "| dit | tiny | TREAD (random) | 16 | 1 | - | - |" in md
+
+
+def test_the_gpu_report_tables_the_grid_with_what_does_not_fit():
+    """A fake timed section: the report's table gives each cell's ms, MFU and peak memory, and "does not fit"."""
+    from train.bench import gpu_report
+
+    def cell(family, recipe, tokens, batch, fits, ms=None, mfu=None, peak=None):
+        group = scaling.Group(family, "B", tokens, batch)
+        return {"section": "scaling", **scaling._row(group, recipe, flops=2e12 if fits else None, fits=fits, ms=ms, mfu=mfu,
+                                                         peak_memory_bytes=peak)}
+
+    rows = [cell("dit", "none", 256, 64, True, 40.0, 0.352, 12 * 2**30), cell("mamba", "tread", 16384, 1, True, 55.5, 0.081, 3 * 2**29),
+            cell("dit", "sprint", 16384, 1, False)]
+    sections = [{"name": "scaling", "title": "cost curve", "kind": "scaling", "status": "measured", "seconds": 500.0,
+                 "note": "3 cells, 1 does not fit", "records": rows}]
+    report = {"environment": {"device": "H100", "torch": "2.11", "cuda": "13.0", "triton": "3.6", "python": "3.12", "commit": "x"},
+              "sections": sections, "goals": gpu_report.goals(sections, dry_run=False), "dry_run": False,
+              "command": "python -m train.bench.gpu --sections scaling", "date": "today", "bf16": True, "compile": "model",
+              "cuda_graphs": False, "budget_s": 600.0, "seconds": 500.0}
+    md = gpu_report.markdown(report)
+    assert "## Cost against tokens (train.bench.scaling)" in md
+    assert "| dit | B | unrouted | 256 | 64 | 2000.0 | 122.1 | 40.0 | 35.2% | 12.00 |" in md
+    assert "| mamba | B | TREAD (rows) | 16,384 | 1 | 2000.0 | 122.1 | 55.5 | 8.1% | 1.50 |" in md
+    assert "| dit | B | SPRINT | 16,384 | 1 | - | - | does not fit | - | - |" in md

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from train.bench import scaling
 from train.bench.gpu_profile import markdown as profile_lines
 from train.bench.spread import ROUNDS, ratio_range, spread, verdict
 from train.files import write_atomic
@@ -230,6 +231,7 @@ TABLES = {
                            f"{'yes' if r['fair'] else '**no**'} | {_ranged(r, 'mfu_unrouted', '.1%')} | {_ranged(r, 'mfu_routed', '.1%')} | "
                            f"{_f(r['first_s'], '.0f')} ({_f(r['graphs'], 'd')}) | {r['official_first_s']:.1f} | "
                            f"{r.get('official_sha256', '-')} |"),
+    "scaling": (scaling.header(timed=True), lambda r: scaling.table_row(r, timed=True)),
     "trainer": ("| command | trainer images/s | bare step images/s | trainer / bare | first logged step s |",
                 lambda r: f"| `{r['command']}` | {_ranged(r, 'trainer_images_per_s', '.0f')} | {_f(r['bare_images_per_s'], '.0f')} | "
                           f"{_ranged(r, 'ratio', '.2f')} | {_f(r.get('first_s'), '.0f')} |"),
@@ -240,7 +242,8 @@ HEADINGS = {"kernel_checks": "Kernels against their references", "family_checks"
             "attention_checks": "DiT's attention on the flash kernel",
             "kernel_speed": "Kernels at their reference shapes", "steps": "Training steps (train.bench.routing)",
             "official": "Side by side with CompVis/tread's DiT (train.bench.official)",
-            "trainer": "python -m train against the bare step"}
+            "trainer": "python -m train against the bare step",
+            "scaling": "Cost against tokens (train.bench.scaling)"}
 # How to read each table, printed above it.
 READING = {
     "kernel_checks": "Each Triton kernel through its entry point against the fp64 definition on the same inputs; an error is "
@@ -266,6 +269,12 @@ READING = {
                 "counted FLOPs predict. The ratio decides the goal only where the official side's routing works in this "
                 "harness (it saves >= 20% where its FLOPs predict > 40%, and its efficiency is within 0.1 of ours). "
                 "MFU = our counted FLOPs / our time / the card's dense bf16 peak.",
+    "scaling": "Every family's training step, unrouted, with its TREAD recipe and with SPRINT, from 256 to 16,384 tokens at the "
+               "S and B presets, the batch keeping 16,384 tokens per step (a flat line is a cost linear in tokens); bf16 "
+               "autocast, eager, DiT's and DiffMoE's attention held to flash. ms: median of interleaved steps; MFU: counted "
+               "FLOPs / time / the card's dense bf16 peak; peak memory: the first step's; \"does not fit\": the model or its "
+               "first step ran out of memory. A dry run steps each recipe once at its tiny shape on the CPU: its times mean "
+               "nothing. python -m train.bench.scaling plots the same rows.",
     "trainer": "python -m train's images/s over its logged steps after the first logged one (compilation and warm-up), "
                "each span between two logged steps a round, against batch / the bare routed step's time at the same shape "
                "and compile mode; the ratio's range pairs the extremes of both. First logged step: seconds from the loop's "

@@ -249,19 +249,25 @@ def dry_run(families, tokens: int, progress: Callable[[str], None] = print) -> l
     return rows
 
 
-def table(rows: list[dict], timed: bool) -> str:
+def header(timed: bool) -> str:
     head = "| family | width | recipe | tokens | batch | GFLOPs per step | MFLOPs per token |"
-    head += " ms per step | MFU | peak memory GiB |" if timed else ""
-    lines = [head, "|---" * (head.count("|") - 1) + "|"]
-    for r in rows:
-        flops = r["flops"]
-        cells = [r["family"], r["preset"], label(r["family"], r["recipe"]), f"{r['tokens']:,}", str(r["batch"]),
-                 _f(flops, 1e-9, ".1f"), _f(flops and flops / (r["tokens"] * r["batch"]), 1e-6, ".1f")]
-        if timed:
-            cells += (["does not fit", "-", "-"] if not r["fits"] else
-                      [f"{r['ms']:.1f}", _f(r["mfu"], 1, ".1%"), _f(r["peak_memory_bytes"], 2**-30, ".2f")])
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return head + (" ms per step | MFU | peak memory GiB |" if timed else "")
+
+
+def table_row(r: dict, timed: bool) -> str:
+    """One cell of the grid as a markdown row (train.bench.gpu's report prints the same rows)."""
+    flops = r["flops"]
+    cells = [r["family"], r["preset"], label(r["family"], r["recipe"]), f"{r['tokens']:,}", str(r["batch"]),
+             _f(flops, 1e-9, ".1f"), _f(flops and flops / (r["tokens"] * r["batch"]), 1e-6, ".1f")]
+    if timed:
+        cells += (["does not fit", "-", "-"] if not r["fits"] else
+                  [_f(r["ms"], 1, ".1f"), _f(r["mfu"], 1, ".1%"), _f(r["peak_memory_bytes"], 2**-30, ".2f")])
+    return "| " + " | ".join(cells) + " |"
+
+
+def table(rows: list[dict], timed: bool) -> str:
+    head = header(timed)
+    return "\n".join([head, "|---" * (head.count("|") - 1) + "|", *(table_row(r, timed) for r in rows)])
 
 
 def _f(value, scale: float, fmt: str) -> str:
