@@ -30,7 +30,7 @@ from routing import ConfigError
 from train.build import build_net, finetune_family, objective_for, pretrained_of
 from train.data import build_dataset
 from train.distributed import copy_into_shards, is_sharded
-from train.files import as_os_error, read_checkpoint_config, read_latest, read_state, read_tensors, write_atomic
+from train.files import as_os_error, damaged, read_checkpoint_config, read_latest, read_state, read_tensors, write_atomic
 from train.schema import resolved_backbone
 
 # Sections that fix the shape of the network; changing them makes a checkpoint unloadable.
@@ -259,12 +259,7 @@ def load_checkpoint(path: Path, cfg: DictConfig | None = None) -> dict:
     older = "resume from an older step_* folder"
     model, ema = read_tensors(path / "model.safetensors", older), read_tensors(path / "ema.safetensors", older)
     align = read_tensors(path / "align.safetensors", older) if (path / "align.safetensors").is_file() else None  # align=repa|self
-    try:
-        extra = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
-    except Exception as err:  # pickle raises many types for a damaged file
-        first = str(err).strip().splitlines()[0] if str(err).strip() else "damaged"
-        raise ConfigError(f"checkpoint '{path}' is unreadable ({type(err).__name__}: {first.rstrip('.')}); resume from an older "
-                          "step_* folder.") from None
+    extra = _read_optimizer(path / "optimizer.pt", older)
     if align is not None:
         extra["align"] = align
     for name, digest in state.sha256.items():
@@ -279,6 +274,20 @@ def load_checkpoint(path: Path, cfg: DictConfig | None = None) -> dict:
                               "resume from an older step_* folder.")
     return {"model": model, "ema": ema, "config": saved_cfg, "step": state.step, "pretrained": state.pretrained,
             "path": path, **extra}
+
+
+def _read_optimizer(path: Path, fix: str) -> dict:
+    """optimizer.pt: AdamW's state and the torch RNG, as save_checkpoint wrote them; damage named in one sentence, as the
+    safetensors files' is."""
+    try:
+        extra = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # noqa: BLE001 -- pickle raises many types for a damaged file
+        first = (str(err).strip().splitlines() or ["damaged"])[0].split(". ")[0][:120].rstrip(".")
+        raise damaged(path, f"is not a readable PyTorch file ({type(err).__name__}: {first})", fix) from None
+    missing = [k for k in ("optimizer", "torch_rng") if not isinstance(extra, dict) or k not in extra]
+    if missing:
+        raise damaged(path, f"holds no {' and no '.join(missing)} state (it is not an optimizer.pt this trainer wrote)", fix)
+    return extra
 
 
 def _model_section(cfg: DictConfig, key: str) -> dict:

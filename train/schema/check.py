@@ -499,7 +499,27 @@ def _as_built(cfg: Any) -> Any:
                   for r in routing["routes"]]
         out["routing"] = {**routing, "routes": routes}
     if isinstance(align, dict):  # the aligned and teacher blocks count from the end the same way
-        out["align"] = {**align, **{k: at(align[k]) for k in ("layer", "teacher_layer") if k in align}}
+        align = {**align, **{k: at(align[k]) for k in ("layer", "teacher_layer") if k in align}}
+        out["align"] = _align_as_built(align, depth, backbone.get("hidden_size")) if align.get("name") in ("repa", "self") else align
+    return out
+
+
+def _align_as_built(align: dict, depth: int, hidden_size: Any) -> dict:
+    """An alignment as the run built it, so a refusal names values, never None: the head, its width and the loss for null
+    are the mode's own, self's null blocks SRA's at this depth. A config saved before align.head existed (2026-11-26)
+    built REPA's projector in every mode: its missing head is repa (a resume with today's align=self then names
+    `align.head: 'repa' -> 'sra'` instead of failing on the projector's weights)."""
+    from backbones.align import DEFAULT_HEAD, DEFAULT_LOSS, head_width, sra_blocks
+
+    name, out = align["name"], dict(align)
+    out["head"] = align.get("head", "repa") or DEFAULT_HEAD[name]
+    out["loss"] = align.get("loss") or DEFAULT_LOSS[name]
+    if isinstance(hidden_size, int) and out["head"] in DEFAULT_HEAD.values():
+        out["projector_width"] = head_width(out["head"], hidden_size, align.get("projector_width"))
+    if name == "self" and depth >= 2:
+        student, teacher = sra_blocks(depth)
+        out["layer"] = student if align.get("layer") is None else align["layer"]
+        out["teacher_layer"] = teacher if align.get("teacher_layer") is None else align["teacher_layer"]
     return out
 
 
