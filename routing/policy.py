@@ -11,6 +11,8 @@ needs F_b + floor((N - F_b)(1 - ratio)) tokens; a batch shares one subset size, 
 samples with smaller masks process a few extra random tokens. The processed fraction rises from (1 - r) to
 about 1 - r (1 - F/N): a mask covering a quarter of the image turns r = 0.5 into an effective 0.375.
 `rows` keeps every row holding a forced token, so a mask that spans many rows costs more (see RowRouting).
+The subset size follows the mask, so it is counted on the mask's host copy (`ForceKeep`): a masked route reads
+nothing back from the device.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from einops import rearrange
 
@@ -54,9 +57,10 @@ class RoutingPolicy(ABC):
     @abstractmethod
     def select(
         self, x: torch.Tensor, grid: Grid, selection_ratio: float, generator: torch.Generator | Drawn | None,
-        force_keep: torch.Tensor | None = None,
+        force_keep: torch.Tensor | ForceKeep | None = None,
     ) -> Selection:
-        """x: (B, N, D) tokens in raster order on `grid`; force_keep: (B, N) bool, tokens always processed."""
+        """x: (B, N, D) tokens in raster order on `grid`; force_keep: (B, N) bool, tokens always processed (a ForceKeep
+        carries its host copy, so the subset size costs no device read)."""
 
 
 def kept(n: int, selection_ratio: float) -> int:
@@ -93,18 +97,49 @@ def uniform_scores(b: int, n: int, generator: torch.Generator | Drawn | None, de
     return torch.rand(b, n, generator=generator).to(device)
 
 
-def check_force_keep(force_keep: torch.Tensor, n: int) -> None:
-    if force_keep.dtype != torch.bool or force_keep.ndim != 2 or force_keep.shape[1] != n:
+@dataclass(frozen=True)
+class ForceKeep:
+    """A force-keep mask and its values on the host: `mask` (B, N) bool beside the tokens, `host` the same values as
+    a NumPy array, where the data loader built them (train/data/masks.py).
+
+    A masked route's subset size follows the mask; counted on `host`, it costs no read back from the device. A bare
+    (B, N) bool tensor is accepted wherever a ForceKeep is, and copied to the host at each route (on an accelerator,
+    a host read per route): callers that route masked batches every step build a ForceKeep where the mask is made.
+    """
+
+    mask: torch.Tensor
+    host: np.ndarray
+
+    @classmethod
+    def of(cls, mask: torch.Tensor | ForceKeep) -> ForceKeep:
+        return mask if isinstance(mask, ForceKeep) else cls(mask, mask.detach().cpu().numpy())
+
+    def to(self, device, non_blocking: bool = False) -> ForceKeep:
+        """The mask on `device` (the step's copy of a batch); the host copy stays where it is."""
+        return ForceKeep(self.mask.to(device, non_blocking=non_blocking), self.host)
+
+    def pin_memory(self) -> ForceKeep:
+        return ForceKeep(self.mask.pin_memory(), self.host)
+
+
+def check_force_keep(force_keep: torch.Tensor | ForceKeep, n: int) -> ForceKeep:
+    """The mask as a ForceKeep, once its shape is checked against the route's n tokens."""
+    mask = force_keep.mask if isinstance(force_keep, ForceKeep) else force_keep
+    if mask.dtype != torch.bool or mask.ndim != 2 or mask.shape[1] != n:
         raise ConfigError(
-            f"force_keep must be a (batch, {n}) bool mask over the route's tokens, got {tuple(force_keep.shape)} "
-            f"{force_keep.dtype}; pool a pixel mask to the token grid first."
+            f"force_keep must be a (batch, {n}) bool mask over the route's tokens, got {tuple(mask.shape)} "
+            f"{mask.dtype}; pool a pixel mask to the token grid first."
         )
+    keep = ForceKeep.of(force_keep)
+    if keep.host.shape != tuple(mask.shape):
+        raise ConfigError(f"a ForceKeep's host copy {keep.host.shape} does not match its mask {tuple(mask.shape)}; build both from one mask.")
+    return keep
 
 
-def forced_size(force_keep: torch.Tensor, n: int, selection_ratio: float) -> int:
-    """Subset size shared by a batch under a (B, n) force-keep mask: max_b F_b + floor((n - F_b)(1 - ratio))."""
-    check_force_keep(force_keep, n)
-    return max(f + kept(n - f, selection_ratio) for f in force_keep.sum(1).tolist())
+def forced_size(host: np.ndarray, n: int, selection_ratio: float) -> int:
+    """Subset size shared by a batch under a (B, n) force-keep mask, counted on the host:
+    max_b F_b + floor((n - F_b)(1 - ratio))."""
+    return max(f + kept(n - f, selection_ratio) for f in host.sum(1).tolist())
 
 
 def random_subset(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -136,8 +171,9 @@ class RandomRouting(RoutingPolicy):
         if force_keep is None:
             return Selection(random_subset(scores, self.num_processed(grid, selection_ratio)), None)
         # Scores above 1 make the forced tokens win; the other slots go to uniformly random tokens.
-        k = forced_size(force_keep, n, selection_ratio)
-        return Selection(random_subset(scores.masked_fill(force_keep, 2.0), k), None)
+        keep = check_force_keep(force_keep, n)
+        k = forced_size(keep.host, n, selection_ratio)
+        return Selection(random_subset(scores.masked_fill(keep.mask, 2.0), k), None)
 
 
 class RowRouting(RoutingPolicy):
@@ -167,9 +203,9 @@ class RowRouting(RoutingPolicy):
         if force_keep is None:
             h_keep = self.rows_processed(grid, selection_ratio)
         else:
-            check_force_keep(force_keep, f * h * w)
-            forced_rows = force_keep.reshape(b * f, h, w).any(-1)  # (B, f * h * w) -> (B * f, h)
-            h_keep = forced_size(forced_rows, h, selection_ratio)
+            keep = check_force_keep(force_keep, f * h * w)
+            forced_rows = keep.mask.reshape(b * f, h, w).any(-1)  # (B, f * h * w) -> (B * f, h)
+            h_keep = forced_size(keep.host.reshape(b * f, h, w).any(-1), h, selection_ratio)  # the same rows, on the host
             scores = scores.masked_fill(forced_rows, 2.0)
         rows = random_subset(scores, h_keep).reshape(b, f, h_keep)  # (B * f, h_keep) -> (B, f, h_keep)
         rows = rows + torch.arange(f, device=x.device)[None, :, None] * h  # row index within the whole sequence
@@ -209,7 +245,9 @@ class L1NormRouting(RoutingPolicy):
         # The norm/random split applies to the unforced tokens: sample b keeps its F_b forced tokens, its
         # round((1 - mix) k_b) highest-norm others and random ones, with k_b = floor((N - F_b)(1 - ratio)).
         b, n, _ = x.shape
-        k = forced_size(force_keep, n, selection_ratio)
+        keep = check_force_keep(force_keep, n)
+        k = forced_size(keep.host, n, selection_ratio)
+        force_keep = keep.mask
         n_free = n - force_keep.sum(1)  # (B,)
         k_free = torch.floor(n_free.double() * (1.0 - selection_ratio) + 1e-9)
         k_top = torch.round((1.0 - self.random_mix) * k_free).long()  # (B,)
@@ -305,25 +343,27 @@ class StructuredRouting(RoutingPolicy):
         scores = uniform_scores(b, n, generator, x.device)  # (B, N), one per token in raster order
         members = _group_members(grid, extents, x.device)  # (G, group size): raster index of every member of every group
         if force_keep is not None:
-            check_force_keep(force_keep, n)
-            forced = force_keep[:, members]  # (B, N) -> (B, G, group size)
-            if int(forced.sum(-1).max()) > s:
-                return self._select_overfull(scores, members, forced, s)
-            scores = scores.masked_fill(force_keep, 2.0)  # forced tokens win their group's slots
+            keep = check_force_keep(force_keep, n)
+            counts = keep.host[:, _group_members(grid, extents)].sum(-1)  # (B, N) -> (B, G) forced tokens per group, on the host
+            if counts.max() > s:
+                # Each group keeps max(s, its forced count): the batch's largest sum is the subset size.
+                k = int(np.maximum(counts, s).sum(1).max())
+                return self._select_overfull(scores, members, keep.mask[:, members], s, k)  # (B, N) -> (B, G, group size)
+            scores = scores.masked_fill(keep.mask, 2.0)  # forced tokens win their group's slots
         slots = scores[:, members].topk(s, dim=-1).indices.sort(dim=-1).values  # (B, N) -> (B, G, group size) -> (B, G, s)
         indices = members.expand(b, -1, -1).gather(2, slots)  # (B, G, s) raster indices, group by group
         return Selection(indices.reshape(b, -1), self.subset_grid(grid, selection_ratio))  # (B, G, s) -> (B, G * s)
 
     @staticmethod
-    def _select_overfull(scores, members, forced, s) -> Selection:
-        # Each group keeps max(s, its forced count) tokens: forced first, then its highest-scoring others.
+    def _select_overfull(scores, members, forced, s, k) -> Selection:
+        # Each group keeps max(s, its forced count) tokens: forced first, then its highest-scoring others; k is the
+        # batch's largest count of kept tokens.
         b, n = scores.shape
         in_group = scores[:, members].masked_fill(forced, 2.0)  # (B, G, g^d)
         rank = in_group.argsort(-1, descending=True).argsort(-1)  # rank of each member inside its group
         quota = forced.sum(-1, keepdim=True).clamp(min=s)  # (B, G, 1)
         kept = torch.zeros(b, n, dtype=torch.bool, device=scores.device)
         kept[:, members.reshape(-1)] = (rank < quota).reshape(b, -1)  # (B, G, g^d) -> (B, N)
-        k = int(kept.sum(1).max())
         # The batch shares one subset size: samples with fewer kept tokens take random extra ones.
         return Selection(random_subset(scores.masked_fill(kept, 3.0), k), None)
 
@@ -347,9 +387,10 @@ def _smallest_group(grid: Grid, selection_ratio: float, temporal: bool) -> tuple
     return None
 
 
-def _group_members(grid: Grid, extents: tuple[int, ...], device) -> torch.Tensor:
-    """(G, group size) raster indices of the tokens of each group; groups and members in raster order."""
-    raster = torch.arange(_numel(grid), device=device).reshape(grid)
+def _group_members(grid: Grid, extents: tuple[int, ...], device=None) -> torch.Tensor | np.ndarray:
+    """(G, group size) raster indices of the tokens of each group; groups and members in raster order. device None:
+    a NumPy array, for counting a force-keep mask on the host."""
+    raster = (np.arange(_numel(grid)) if device is None else torch.arange(_numel(grid), device=device)).reshape(grid)
     if len(grid) == 2:
         return rearrange(raster, "(h gh) (w gw) -> (h w) (gh gw)", gh=extents[0], gw=extents[1])
     if len(grid) == 3:

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from routing.errors import ConfigError
-from routing.policy import Drawn, Grid, NoRouting, RoutingPolicy, uniform_scores
+from routing.policy import Drawn, ForceKeep, Grid, NoRouting, RoutingPolicy, uniform_scores
 from routing.route import Route
 
 
@@ -167,11 +167,12 @@ class Router:
 
     def run(
         self, blocks: nn.ModuleList, x: torch.Tensor, c: torch.Tensor, grid: Grid, training: bool,
-        force_keep: torch.Tensor | None = None, fusions: Mapping[str, Fusion] | None = None,
+        force_keep: torch.Tensor | ForceKeep | None = None, fusions: Mapping[str, Fusion] | None = None,
     ) -> torch.Tensor:
         """x: (B, N, D) tokens in raster order on `grid`; c: (B, D). Returns (B, N, D).
 
-        force_keep: (B, N) bool, tokens every route processes (e.g. a masked-loss region); see routing.policy.
+        force_keep: (B, N) bool, tokens every route processes (e.g. a masked-loss region); see routing.policy. As a
+        ForceKeep (the trainer's masks) it carries its host copy, and no route reads the device for its size.
         fusions: the backbone's fusion of each SPRINT route, by str(start_layer_idx).
         """
         self.last_masks = []

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from routing import ConfigError, Route, Router, RoutingPolicy, Selection, build_policy
+from routing import ConfigError, ForceKeep, Route, Router, RoutingPolicy, Selection, build_policy
 from routing.policy import POLICIES, kept, uniform_scores
 
 GRID = (6, 8)
@@ -118,3 +118,20 @@ def test_a_cuda_generator_draws_on_the_device():
     on_cpu = build_policy("random").select(x, GRID, 0.5, torch.Generator().manual_seed(3))
     on_gpu = build_policy("random").select(x.cuda(), GRID, 0.5, torch.Generator().manual_seed(3))
     assert torch.equal(on_cpu.indices, on_gpu.indices.cpu())
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_mask_with_its_host_copy_selects_what_the_bare_mask_selects(name):
+    """ForceKeep (the trainer's masks: the subset size counted on the host copy) and the bare tensor give one selection,
+    including structured selection's overfull groups (the 0.9 row forces more tokens than a group's slots)."""
+    force, x = masks(), torch.randn(4, N, 8)
+    policy = build_policy(name)
+    bare = policy.select(x, GRID, 0.75, torch.Generator().manual_seed(3), force_keep=force)
+    held = policy.select(x, GRID, 0.75, torch.Generator().manual_seed(3), force_keep=ForceKeep.of(force).to("cpu"))
+    assert torch.equal(bare.indices, held.indices) and bare.grid == held.grid
+
+
+def test_a_host_copy_that_is_not_the_masks_is_refused():
+    force = masks()
+    with pytest.raises(ConfigError, match="host copy"):
+        build_policy("random").select(torch.randn(4, N, 8), GRID, 0.5, None, force_keep=ForceKeep(force, force[:2].numpy()))

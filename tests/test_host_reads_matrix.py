@@ -23,7 +23,7 @@ from backbones import build_backbone
 from backbones.align import Alignment
 from edm import build_objective
 from host_reads import HostReads
-from routing import Router, build_policy, resolve_routes
+from routing import ForceKeep, Router, build_policy, resolve_routes
 from test_align import vit_file  # noqa: F401  (the random tiny ViT REPA's encoder loads)
 from train.metrics.encoder import FrozenEncoder
 
@@ -44,10 +44,6 @@ INHERENT = {
     ("aten.nonzero", "backbones/ops/moe.py <listcomp>"):
         "token choice (the MoE table's baseline), dropless: each expert's matmul takes the tokens that chose it, a load that "
         "follows the gate (expert choice and DiffMoE's capacity routing have fixed loads and read nothing)",
-    ("Tensor.tolist", "routing/policy.py forced_size"):
-        "masked data only: a route keeps every force-kept token, so the subset's size follows the mask",
-    ("Tensor.__int__", "routing/policy.py select"): "masked data, structured selection: whether a group holds more forced tokens than its slots",
-    ("Tensor.__int__", "routing/policy.py _select_overfull"): "masked data, structured selection: the subset's size follows the mask",
 }
 
 
@@ -74,13 +70,15 @@ def model(family: str, recipe: str, seed: int = 0) -> nn.Module:
     return net.train()
 
 
-def masked(net: nn.Module, keep: torch.Tensor) -> None:
-    """Every route of `net` keeps the tokens `keep` (B, N) marks, as a fine-tune's data mask does (routing.policy)."""
-    net.router.run = partial(type(net.router).run, net.router, force_keep=keep)
+def masked(net: nn.Module, keep: torch.Tensor, host_copy: bool = True) -> None:
+    """Every route of `net` keeps the tokens `keep` (B, N) marks, as a fine-tune's data mask does (routing.policy): with
+    its host copy, made where the mask is made (the trainer's data loader), so a route's subset size reads no device."""
+    net.router.run = partial(type(net.router).run, net.router, force_keep=ForceKeep.of(keep) if host_copy else keep)
 
 
-def step(family: str, recipe: str, align: str, mask: bool, encoder=None, plant=None) -> HostReads:
-    """One training step's model work (forward, alignment, backward) with host reads recorded; `plant` runs inside it."""
+def step(family: str, recipe: str, align: str, mask: bool, encoder=None, plant=None, host_copy: bool = True) -> HostReads:
+    """One training step's model work (forward, alignment, backward) with host reads recorded; `plant` runs inside it;
+    `host_copy=False` gives the routes a bare mask tensor (no ForceKeep), which they must read to size their subsets."""
     objective = build_objective("edm")
     backbone = model(family, recipe)
     net = objective.wrap(backbone)
@@ -96,7 +94,7 @@ def step(family: str, recipe: str, align: str, mask: bool, encoder=None, plant=N
     y, labels = torch.rand(b, 1, 16, 16, generator=g) * 2 - 1, torch.randint(0, 10, (b,), generator=g)
     sigma, noise, u = objective.sample_time(b, g), torch.randn(b, 1, 16, 16, generator=g), torch.rand(b, generator=g)
     if mask:
-        masked(backbone, torch.rand(b, 16, generator=g) < 0.3)
+        masked(backbone, torch.rand(b, 16, generator=g) < 0.3, host_copy)
     with HostReads() as reads:
         loss = objective.loss(net, y, labels, sigma, noise).mean()
         if alignment is not None:
@@ -140,3 +138,12 @@ def test_a_planted_item_is_found_where_it_is():
     assert [what for what, _ in unexpected(reads)] == ["Tensor.item"], reads.summary()
     assert unexpected(reads)[0][1].startswith("tests/test_host_reads_matrix.py:")
     assert not unexpected(step("dit", "random", "none", False))
+
+
+@pytest.mark.parametrize("recipe", ["random", "structured"])
+def test_a_mask_without_its_host_copy_is_a_read_the_matrix_finds(recipe):
+    """The masked cells pass because the mask comes with its host copy (routing.policy.ForceKeep), as the trainer's data
+    loader gives it: a bare mask tensor must be read back to size a route's subset, and the check names that read."""
+    reads = unexpected(step("dit", recipe, "none", True, host_copy=False))
+    assert reads and all(at.split(":")[0] == "routing/policy.py" for _, at in reads), reads
+    assert not unexpected(step("dit", recipe, "none", True))

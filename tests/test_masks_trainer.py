@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from edm import reduce_loss
+from routing import ForceKeep
 from train.data.prefetch import Prefetcher
 from train.trainer import Trainer
 from conftest import compose_cfg
@@ -33,9 +34,13 @@ def masked_folder(root):
 
 
 def step_keep(trainer: Trainer) -> torch.Tensor:
-    """The force-keep mask of the step about to run (one micro-batch), from the data as the trainer reads it."""
+    """The force-keep mask of the step about to run (one micro-batch), from the data as the trainer reads it: with its
+    host copy (routing.policy.ForceKeep), so the routes size their subsets without reading the device."""
     keep = trainer._load_batch((trainer.step, 0))[3]
-    return torch.zeros(0, dtype=torch.bool) if keep is None else keep
+    if keep is None:
+        return torch.zeros(0, dtype=torch.bool)
+    assert isinstance(keep, ForceKeep) and np.array_equal(keep.host, keep.mask.numpy())
+    return keep.mask
 
 
 def test_masked_tokens_are_kept_on_every_route_and_only_with_the_mask(pipeline, tmp_path):  # noqa: F811

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from routing import ConfigError, Router, RoutingPolicy, Selection, build_policy, resolve_routes
+from routing import ConfigError, ForceKeep, Router, RoutingPolicy, Selection, build_policy, resolve_routes
+from routing.policy import check_force_keep
 
 Grid = tuple[int, ...]  # (h, w) image tokens; (t, h, w) video tokens (Wan)
 
@@ -146,8 +147,8 @@ def unpatchify(x: torch.Tensor, grid: Grid, p: int, channels_last: bool) -> torc
     return x.reshape(b, x.shape[1], h * p, w * p)
 
 
-def token_mask(mask: torch.Tensor, grid: tuple[int, ...], patch: int | tuple[int, ...]) -> torch.Tensor:
-    """A force-keep mask on the token grid, (B, N) bool.
+def token_mask(mask: torch.Tensor | ForceKeep, grid: tuple[int, ...], patch: int | tuple[int, ...]) -> torch.Tensor | ForceKeep:
+    """A force-keep mask on the token grid, (B, N) bool (a ForceKeep, per token with its host copy, as it is).
 
     Accepts it per token, (B, N), or per latent pixel, (B, H, W) or (B, 1, H, W), and on a video grid
     (t, h, w) per latent voxel, (B, T, H, W) or (B, 1, T, H, W); a token is kept when any latent pixel of its
@@ -156,6 +157,8 @@ def token_mask(mask: torch.Tensor, grid: tuple[int, ...], patch: int | tuple[int
     patch = (patch,) * len(grid) if isinstance(patch, int) else tuple(patch)
     pixels = tuple(n * p for n, p in zip(grid, patch))
     n = math.prod(grid)
+    if isinstance(mask, ForceKeep):  # the trainer's masks: per token already, with their host copy (routing.policy)
+        return check_force_keep(mask, n)
     if mask.ndim == len(grid) + 2 and mask.shape[1] == 1:
         mask = mask[:, 0]
     if mask.ndim == 2 and mask.shape[1] == n:

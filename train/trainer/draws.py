@@ -13,6 +13,7 @@ from contextlib import nullcontext
 
 import torch
 
+from routing import ForceKeep
 from train.data.masks import mask_inputs
 from train.data.prefetch import Batch
 
@@ -66,6 +67,8 @@ class Batches:
         keep, weight = None, None
         if hasattr(self.dataset, "masks"):  # only fine-tuned models' data has masks; only their backbones have a `patch`
             keep, weight = mask_inputs(self.dataset, indices, self.backbone.patch, self.cfg.data.get("mask_loss_weight"))
+            # With its host copy: the routes count their subset sizes there, reading nothing back from the device.
+            keep = None if keep is None else ForceKeep.of(keep)
         return y, labels, clean, keep, weight
 
     def _batch(self, micro: int, start: int) -> Batch:
