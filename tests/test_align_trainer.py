@@ -65,6 +65,17 @@ def test_alignment_off_trains_exactly_as_before(tmp_path):
     assert "align" not in metrics(tmp_path / "none")[-1] and "align" in metrics(tmp_path / "zero")[-1]
 
 
+@pytest.mark.parametrize("weight, said", [("0", True), ("0.0", True), ("0.04", False)])
+def test_alignment_at_weight_zero_is_named_in_one_line(tmp_path, capsys, weight, said):
+    """align.weight=0 with align on runs the teacher and the projector for nothing: one line says so (not refused, since
+    it is the control above); any other weight says nothing."""
+    trainer = Trainer(compose_cfg(*FAST, *TINY, "align=self", f"align.weight={weight}", f"run_dir={tmp_path / 'run'}"))
+    trainer._release_run_dir()
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("align.weight=")]
+    assert lines == ([f"align.weight=0: align=self runs every step (the EMA teacher's forward and the projector) but adds nothing to "
+                      "the loss, so nothing is aligned; set align=none to skip that work, or a weight above 0 to align."] if said else [])
+
+
 # Two steps through `python -m train`
 
 

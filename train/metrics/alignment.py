@@ -17,6 +17,17 @@ def align_name(cfg: DictConfig) -> str:
     return (cfg.get("align") or {}).get("name", "none")
 
 
+def zero_weight_note(cfg: DictConfig) -> str | None:
+    """The line that names an alignment at weight 0 (it runs, and adds nothing); None otherwise. Not refused: weight 0
+    is the control that keeps every draw of an aligned run (tests/test_align_trainer.py)."""
+    name = align_name(cfg)
+    if name == "none" or cfg.align.weight != 0:
+        return None
+    work = "the EMA teacher's forward and the projector" if name == "self" else "the frozen encoder and the projector"
+    return (f"align.weight=0: align={name} runs every step ({work}) but adds nothing to the loss, so nothing is aligned; "
+            "set align=none to skip that work, or a weight above 0 to align.")
+
+
 def build_alignment(cfg: DictConfig, backbone: nn.Module, device: torch.device | str = "cpu",
                     encoder_dtype: torch.dtype = torch.bfloat16, dataset=None) -> Alignment | None:
     """The Alignment of cfg.align on `backbone` (hooks attached now), on `device`; None for align=none.

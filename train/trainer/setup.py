@@ -34,7 +34,7 @@ from train.distributed import ShardedEma, shard_blocks, shard_projector, sharded
 from train.files import read_metrics
 from train.files.atomic import pid_running
 from train.logger import MetricsLogger
-from train.metrics.alignment import align_name, build_alignment
+from train.metrics.alignment import align_name, build_alignment, zero_weight_note
 from train.rundir import HydraRecord, move_aside, refuse_used, remove_stale_temporaries
 from train.schema import check_config as schema_check
 from train.schema.sample import preview_every
@@ -124,6 +124,8 @@ class SetUp:
         # Representation alignment (align=repa|self; None for none): hooks on the blocks now, before the EMA copy and any
         # compiling; the projector trains beside the model but is never part of it (docs/alignment.md).
         self.align = build_alignment(cfg, self.backbone, self.acc.device, dataset=self.dataset)
+        if (note := zero_weight_note(cfg)) is not None:
+            self.acc.print(note)
         self.micro_batch = t.batch_size // (self.acc.num_processes * t.grad_accum)
         self.objective = objective_for(cfg)
         # Fine-tuning may shift the training draws towards noise (SD3's fixed shift, Flux's per resolution); None: unshifted.
