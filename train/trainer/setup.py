@@ -105,7 +105,8 @@ class SetUp:
         checkpoint to resume and the metrics log."""
         cfg, t = self.cfg, self.cfg.trainer
         self._move_aside = not cfg.resume and refuse_used(self.run_dir, bool(cfg.get("overwrite")))
-        self._stage = None  # new cache files of a captioned or video folder, until `_commit` publishes them
+        self._stage = None  # new cache files of a captioned or video folder, until `_commit` publishes them (main process)
+        self._shared_stage = None  # the main process's staging folder, which the other processes read meanwhile
         if cfg.data.name == "captions":
             # A captioned folder's refusals (a missing caption, an unreadable image) first; then its cache, which the
             # dataset reads, is brought up to date (beside the data, not in the run folder), staged until `_commit`.
@@ -179,6 +180,8 @@ class SetUp:
     def _commit(self, record: HydraRecord | None) -> None:
         """The first writes, once every check has passed: the folder and its lock, what a killed save left, an
         old run moved aside (overwrite=true), Hydra's record and the metrics log trimmed for a resume."""
+        if self.acc.num_processes > 1:
+            self.acc.wait_for_everyone()  # every process's checks have passed (and none reads the staged cache any more)
         if self._claim is not None:
             self._claim.commit()
             for line in recover_checkpoints(self.run_dir / "checkpoints"):
@@ -191,6 +194,11 @@ class SetUp:
                 record.write(self.run_dir)
             self._publish_stage()
         self.acc.wait_for_everyone()
+        if self._shared_stage is not None:  # the main process published the files this process read from its stage
+            from train.data.caption_cache import cache_folder
+
+            self.dataset.read_from(cache_folder(self.cfg.data))
+            self._shared_stage = None
         self.logger = MetricsLogger(self.run_dir, self.acc.is_main_process, resume_step=self.step, records=self._metrics,
                                     trackers=self._start_trackers())
 
@@ -201,18 +209,16 @@ class SetUp:
 
     def _prepare_captions(self, items: list) -> None:
         """Encode a captioned folder's new or changed captions and images (main process), once per run: into a staging
-        folder that `_commit` publishes into the cache (one process; several write the cache in place, as the others read it)."""
+        folder that `_commit` publishes into the cache; the other processes read it there meanwhile (`_share_stage`)."""
         from train.data.caption_cache import prepare_captions
 
         if self.acc.is_main_process:
             self._stage_cache(prepare_captions(self.cfg, device=self.acc.device, log=self.acc.print, items=items,
                                                stage=self._new_stage()))
-        self.acc.wait_for_everyone()
+        self._share_stage()
 
-    def _new_stage(self) -> Path | None:
-        """An empty folder outside the data folder for the cache files a run writes, or None under several processes."""
-        if self.acc.num_processes > 1:
-            return None
+    def _new_stage(self) -> Path:
+        """An empty folder outside the data folder for the cache files a run writes (the main process's)."""
         for old in Path(tempfile.gettempdir()).glob("tread_cache-*-*"):  # a killed run's (its pid no longer runs)
             pid = old.name.split("-")[1]
             if pid.isdigit() and not pid_running(int(pid)):
@@ -225,12 +231,37 @@ class SetUp:
         if folder != self._stage:  # nothing new: the cache as it is
             self._remove_stage()
 
+    def _share_stage(self) -> None:
+        """Under several processes, each reads the main process's staging folder until `_commit` publishes it: the processes
+        of one machine share its temporary folder. If one cannot see it (processes on several machines), the main process
+        publishes the new files into the cache now, before the checks still to come, and every process reads them there."""
+        self.acc.wait_for_everyone()
+        if self.acc.num_processes == 1:
+            return
+        from accelerate.utils import broadcast_object_list, gather_object
+
+        shared = broadcast_object_list([None if self._stage is None else str(self._stage)])[0]
+        if shared is None:  # nothing new: every process reads the cache as it is
+            return
+        if all(gather_object([Path(shared).is_dir()])):
+            self._shared_stage = None if self.acc.is_main_process else Path(shared)
+            return
+        if self.acc.is_main_process:
+            from train.data.caption_cache import cache_folder, publish
+
+            self.acc.print(f"data.cache: the staging folder {shared} is not visible to every process (several machines); "
+                           f"wrote the new cache files into {cache_folder(self.cfg.data)} now, before the run's other checks")
+            publish(self._stage, cache_folder(self.cfg.data))
+            self._remove_stage()
+        self.acc.wait_for_everyone()
+
     def _staged_data(self) -> DictConfig:
         """cfg.data, reading the cache from the staging folder while its new files wait there."""
-        if self._stage is None:
+        stage = self._stage or self._shared_stage
+        if stage is None:
             return self.cfg.data
         data = copy.deepcopy(self.cfg.data)
-        data.cache = str(self._stage)
+        data.cache = str(stage)
         return data
 
     def _publish_stage(self) -> None:
@@ -256,12 +287,13 @@ class SetUp:
         return check_videos(self.cfg)
 
     def _prepare_videos(self, clips: list) -> None:
-        """Encode a video folder's new or changed captions and clips into its cache (main process), once per run."""
+        """Encode a video folder's new or changed captions and clips into its cache (main process), once per run, staged
+        as a captioned folder's is."""
         from train.data.video_cache import prepare_videos
 
         if self.acc.is_main_process:
             self._stage_cache(prepare_videos(self.cfg, clips, device=self.acc.device, log=self.acc.print, stage=self._new_stage()))
-        self.acc.wait_for_everyone()
+        self._share_stage()
 
     def _release_run_dir(self) -> None:
         self._remove_stage()  # a refused run's staged cache files: the cache was never touched
