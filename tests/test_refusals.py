@@ -319,7 +319,7 @@ CASES = [
     T("metrics_line_a_list", [], put("run/metrics.jsonl", '[1]\n{"step": 2}\n'), names="metrics.jsonl", slow=True),
     T("metrics_binary", [], put("run/metrics.jsonl", b"\xff\xfe\n"), names="metrics.jsonl", slow=True),
     T("model_truncated", [], truncate(f"{CKPT}/model.safetensors"), names="step_0000002"),
-    T("optimizer_garbage", [], put(f"{CKPT}/optimizer.pt", b"garbage" * 10), names="step_0000002"),
+    T("optimizer_garbage", [], put(f"{CKPT}/optimizer.pt", b"garbage" * 10), names="optimizer.pt"),
     T("ema_missing", [], remove(f"{CKPT}/ema.safetensors"), names="ema.safetensors"),
     T("model_bytes_changed", [], flip_last_bytes(f"{CKPT}/model.safetensors"), names="model.safetensors", slow=True),
     # A damaged latents folder.
