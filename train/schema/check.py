@@ -500,6 +500,8 @@ def _as_built(cfg: Any) -> Any:
         out["routing"] = {**routing, "routes": routes}
     if isinstance(align, dict):  # the aligned and teacher blocks count from the end the same way
         align = {**align, **{k: at(align[k]) for k in ("layer", "teacher_layer") if k in align}}
+        if align.get("name") == "none":  # no alignment: its other keys build nothing, so a refusal names the mode alone
+            align = {"name": "none"}
         out["align"] = _align_as_built(align, depth, backbone.get("hidden_size")) if align.get("name") in ("repa", "self") else align
     return out
 
