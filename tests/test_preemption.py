@@ -21,8 +21,9 @@ from test_resume_and_distributed import losses
 COMMON = [*FAST, "routing=random", "trainer.batch_size=8", "trainer.log_every=3", "trainer.ckpt_every=50"]
 
 
-def test_sigterm_between_checkpoints_saves_the_step_and_resumes_bit_identically(tmp_path):
-    run = tmp_path / "preempted"
+def sigterm_a_process(run):
+    """`python -m train` into `run`, sent SIGTERM once it logged two steps (past step 6, long before the first checkpoint
+    at step 50): checks its one line and exit code 143, and returns the step it saved."""
     proc = subprocess.Popen([sys.executable, "-m", "train", *COMMON, "trainer.max_steps=100000", f"run_dir={run}"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -35,7 +36,7 @@ def test_sigterm_between_checkpoints_saves_the_step_and_resumes_bit_identically(
     while time.time() < deadline and proc.poll() is None and not logged():
         time.sleep(0.1)
     assert proc.poll() is None and logged(), "the run had not logged two steps when the signal was due"
-    proc.send_signal(signal.SIGTERM)  # past step 6, long before the first checkpoint (step 50)
+    proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.strip() and not ln.startswith("train:")]  # less the bar
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
@@ -45,7 +46,28 @@ def test_sigterm_between_checkpoints_saves_the_step_and_resumes_bit_identically(
     ckpt = run / "checkpoints" / f"step_{step:07d}"
     assert lines[0] == (f"SIGTERM at step {step}: saved checkpoint {ckpt}; continue with python -m train run_dir={run} "
                         f"resume=auto (exit code 143).")
+    return step
 
+
+def assert_same_run(run, straight, end: int) -> None:
+    """Equal losses at every logged step, and bit-identical weights and EMA at step `end`."""
+    assert losses(run) == losses(straight)
+    name = f"step_{end:07d}"
+    for weights in ("model.safetensors", "ema.safetensors"):
+        got, want = load_file(run / "checkpoints" / name / weights), load_file(straight / "checkpoints" / name / weights)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got), weights
+
+
+def test_sigterm_between_checkpoints_saves_the_step_in_one_line(tmp_path):
+    # The real process and signal; that the run then continues bit-identically is checked in-process below (and, all
+    # three runs as processes, under -m slow), which costs no further interpreter start-ups.
+    sigterm_a_process(tmp_path / "preempted")
+
+
+@pytest.mark.slow
+def test_sigterm_between_checkpoints_saves_the_step_and_resumes_bit_identically(tmp_path):
+    run = tmp_path / "preempted"
+    step = sigterm_a_process(run)
     # Continued with resume=auto to a few steps on, it matches a run that was never stopped: losses and weights. Both run
     # as processes like the preempted one (same threads, no state left by other tests in this worker), so bit for bit
     # compares the resume, not two ways of running.
@@ -54,11 +76,7 @@ def test_sigterm_between_checkpoints_saves_the_step_and_resumes_bit_identically(
     for args in ([f"run_dir={run}", "resume=auto"], [f"run_dir={straight}"]):
         subprocess.run([sys.executable, "-m", "train", *COMMON, f"trainer.max_steps={end}", *args], cwd=ROOT, check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert losses(run) == losses(straight)
-    name = f"step_{end:07d}"
-    for weights in ("model.safetensors", "ema.safetensors"):
-        got, want = load_file(run / "checkpoints" / name / weights), load_file(straight / "checkpoints" / name / weights)
-        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got), weights
+    assert_same_run(run, straight, end)
 
 
 def _signal_at(trainer: Trainer, at: int, signum: int):
@@ -93,6 +111,20 @@ def test_ctrl_c_mid_run_saves_and_a_second_signal_during_the_save_changes_nothin
     checkpoint.load_checkpoint(ckpt)  # whole: every file's digest matches
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_0000004"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are put back
+
+
+def test_a_run_stopped_by_sigterm_resumes_bit_identically(tmp_path):
+    """The preempted, the resumed and the uninterrupted runs all in this process (the same threads and state for each),
+    so bit for bit compares the resume; the slow test above runs the three as processes."""
+    run, straight = tmp_path / "preempted", tmp_path / "straight"
+    trainer = Trainer(compose_cfg(*COMMON, "trainer.max_steps=100000", f"run_dir={run}"))
+    _signal_at(trainer, 7, signal.SIGTERM)  # between checkpoints (step 50) and between logging steps (every 3)
+    with pytest.raises(Preempted, match=r"^SIGTERM at step 7: saved checkpoint "):
+        trainer.fit()
+    end = 7 + 4
+    Trainer(compose_cfg(*COMMON, f"trainer.max_steps={end}", f"run_dir={run}", "resume=auto")).fit()
+    Trainer(compose_cfg(*COMMON, f"trainer.max_steps={end}", f"run_dir={straight}")).fit()
+    assert_same_run(run, straight, end)
 
 
 def test_a_signal_at_a_checkpoint_step_saves_it_once(tmp_path, monkeypatch):
