@@ -14,60 +14,150 @@ from train.bench import gpu, gpu_checks, gpu_profile, gpu_report, gpu_speed, spr
 from train.bench.gpu_budget import PROGRESS, Section, run_sections
 
 
-def test_dry_run_writes_every_section(tmp_path, capsys):
-    report = gpu.main(["--dry-run", "--out", str(tmp_path / "out")])
+# The sections a cheap dry run covers in the default suite: every kind of section but the Triton ones, whose interpreted
+# kernels take most of a full dry run (kernel-speed alone about 10 s of CPU); the -m slow case runs every section.
+CHEAP = ("families", "attention", "dit-B-tread", "trainer", "dit-S", "mamba-S", "rwkv-S")
+
+
+def test_dry_run_of_every_kind_of_section(tmp_path, capsys):
+    report = gpu.main(["--dry-run", "--out", str(tmp_path / "out"), "--sections", *CHEAP])
     saved = json.loads((tmp_path / "out" / "report.json").read_text())
     md = (tmp_path / "out" / "report.md").read_text()
-    # The default set: every section but the opt-in ones, which the report names.
-    assert [s["name"] for s in saved["sections"]] == [n for n in gpu.SECTION_NAMES if n not in gpu.OPT_IN]
-    assert {x["name"] for x in saved["not_run"]} == set(gpu.OPT_IN) and "Not in this run (name them with --sections): " in md
+    assert [s["name"] for s in saved["sections"]] == list(CHEAP)
     for section in saved["sections"]:
         # A dry run has time for everything, and every section's code runs without an error.
         assert section["status"] in ("passed", "measured"), (section["name"], section["note"])
         assert section["records"], section["name"]
         assert f"{section['title']}: **{section['status']}**" in md
-    for heading in ("Kernels against their references", "Families on the device against the CPU", "Kernels at their reference shapes",
+    for heading in ("Families on the device against the CPU", "DiT's attention on the flash kernel",
                     "Training steps (train.bench.routing)", "python -m train against the bare step"):
         assert f"## {heading}" in md
     env = saved["environment"]
     assert env["torch"] == torch.__version__ and env["triton"] and "device" in env and "commit" in env
-    kernels = {(r["kernel"], r["precision"]) for s in saved["sections"] if s["name"] == "kernels" for r in s["records"]}
-    assert kernels == {("selective scan (Triton)", p) for p in ("fp32", "bf16", "fp32, decay -1e5")} | {("Bi-WKV (Triton)", p) for p in ("fp32", "bf16")}
     # DiT's attention meets flash attention's conditions at every routed shape (tiny: 16 tokens, 8 with TREAD, 4 with SPRINT).
     shapes = {r["recipe"]: r["shapes"] for s in saved["sections"] if s["name"] == "attention" for r in s["records"]}
     assert shapes == {"none": ["16 tokens x head dim 32 bfloat16"],
                       "random": ["16 tokens x head dim 32 bfloat16", "8 tokens x head dim 32 bfloat16"],
                       "sprint": ["16 tokens x head dim 32 bfloat16", "4 tokens x head dim 32 bfloat16"]}
-    assert "## DiT's attention on the flash kernel" in md
     families = {(r["family"], r["precision"]) for s in saved["sections"] if s["name"] == "families" for r in s["records"]}
     assert families == {(f, p) for f in ("dit", "rwkv", "mamba", "diffmoe") for p in ("fp32", "bf16")}
+    trainer = next(s for s in saved["sections"] if s["name"] == "trainer")
+    row = trainer["records"][0]
+    assert row["trainer_images_per_s"] > 0 and row["ratio"] > 0 and trainer["note"] == "bare step from the DiT-B/2 TREAD row"
+    # Every speed row ran ROUNDS rounds and keeps them; the trainer's rounds are the spans between its logged steps.
+    speed = [r for s in saved["sections"] if s["kind"] == "steps" for r in s["records"]]
+    assert len(speed) == 4 and all(len(x) == 3 for r in speed for x in r["rounds"].values())
+    assert all(r["first_s"] > 0 for r in speed) and row["first_s"] > 0
+    assert len(row["rounds"]["trainer_images_per_s"]) == 3 and row["spreads"]["ratio"]["n"] == 3
+    assert saved["rounds"] == 3 and "3 rounds per speed row" in md and "| goal | median | range | verdict | note |" in md
+    # Tiny shapes on a CPU decide no goal, but every goal is listed (the side-by-side's too, without --tread).
+    assert len(saved["goals"]) == 16 and all(g["met"] is None and g["verdict"] == "not measured" for g in saved["goals"])
+    # ... though the rule reads the rounds of every goal whose rows ran, as it would on a GPU: the scan families' and
+    # DiT-B/2's efficiencies and the trainer's ratio (a CPU has no peak, so no MFU).
+    ruled = {g["goal"]: g["rule"] for g in saved["goals"] if g["n"]}
+    assert len(ruled) == 4 and set(ruled.values()) <= {"met", "missed", "undecided"}
+    assert "the rule reads " in md
+    assert saved["caches"] == {} and "compile caches" not in md  # a dry run compiles nothing
+    assert report["sections"][0]["records"][0]["passed"]
+    out = capsys.readouterr().out
+    assert "[" in out and "families:" in out and "wrote" in out  # progress lines
+
+
+@pytest.mark.slow
+def test_dry_run_writes_every_section(tmp_path, capsys):
+    """The default set as a run without --sections runs it, then the second call's sections: every section's dry run
+    (the kernels through Triton's interpreter)."""
+    report = gpu.main(["--dry-run", "--out", str(tmp_path / "out")])
+    saved = json.loads((tmp_path / "out" / "report.json").read_text())
+    md = (tmp_path / "out" / "report.md").read_text()
+    # The default set: every section but the second call's and the opt-in ones, which the report names.
+    assert [s["name"] for s in saved["sections"]] == [n for n in gpu.SECTION_NAMES if n not in gpu.OPT_IN + gpu.SECOND_CALL]
+    assert {x["name"] for x in saved["not_run"]} == set(gpu.OPT_IN + gpu.SECOND_CALL)
+    assert "Not in this run (name them with --sections): " in md
+    assert "`python -m train.bench.gpu --sections dit-S mamba-S rwkv-S`" in md
+    for section in saved["sections"]:
+        assert section["status"] in ("passed", "measured"), (section["name"], section["note"])
+        assert section["records"], section["name"]
+    for heading in ("Kernels against their references", "Kernels at their reference shapes"):
+        assert f"## {heading}" in md
+    kernels = {(r["kernel"], r["precision"]) for s in saved["sections"] if s["name"] == "kernels" for r in s["records"]}
+    assert kernels == {("selective scan (Triton)", p) for p in ("fp32", "bf16", "fp32, decay -1e5")} | {("Bi-WKV (Triton)", p) for p in ("fp32", "bf16")}
     # Every kernel row names the config each autotuned kernel it ran picked (the interpreter has one config each).
     tuned = {r["kernel"]: r["tuned"] for s in saved["sections"] if s["name"] == "kernel-speed" for r in s["records"]}
+    assert set(tuned) == {"selective scan", "Bi-WKV"}  # the 64-step chunks are kernel-speed-chunk64's, opt-in
     assert set(tuned["selective scan"]) == {"fwd_kernel", "bwd_kernel"} and len(tuned["Bi-WKV"]) >= 2
-    assert set(tuned["selective scan, 64-step chunks"]) == {"fwd_kernel", "bwd_kernel"}  # TREAD_SCAN_CHUNK=64 beside it
     assert all(t["picked"].startswith("BLOCK_") and t["ms"] == {} for k in tuned.values() for t in k.values())
     assert "fwd_kernel: BLOCK_D=" in md
     # And where one forward+backward's time goes, launch by launch (the CPU's ops in a dry run).
     launches = [r["launches"] for s in saved["sections"] if s["name"] == "kernel-speed" for r in s["records"]]
     assert all(rows and all(x["us"] > 0 and x["calls"] >= 1 for x in rows) for rows in launches)
     assert "Launches of one selective scan bf16 forward+backward" in md
-    trainer = next(s for s in saved["sections"] if s["name"] == "trainer")["records"][0]
-    assert trainer["trainer_images_per_s"] > 0 and trainer["ratio"] > 0
-    # Every speed row ran ROUNDS rounds and keeps them; the trainer's rounds are the spans between its logged steps.
     speed = [r for s in saved["sections"] if s["kind"] in ("steps", "kernel_speed") for r in s["records"]]
-    assert speed and all(len(x) == 3 for r in speed for x in r["rounds"].values())
-    assert all(r["first_s"] > 0 for r in speed) and trainer["first_s"] > 0
-    assert len(trainer["rounds"]["trainer_images_per_s"]) == 3 and trainer["spreads"]["ratio"]["n"] == 3
-    assert saved["rounds"] == 3 and "3 rounds per speed row" in md and "| goal | median | range | verdict | note |" in md
-    # Tiny shapes on a CPU decide no goal, but every goal is listed (the side-by-side's too, without --tread).
-    assert len(saved["goals"]) == 16 and all(g["met"] is None and g["verdict"] == "not measured" for g in saved["goals"])
-    # ... though the rule reads the rounds of every goal whose rows ran, as it would on a GPU.
-    ruled = {g["goal"]: g["rule"] for g in saved["goals"] if g["n"]}
-    assert len(ruled) >= 8 and set(ruled.values()) <= {"met", "missed", "undecided"}
-    assert "the rule reads " in md
+    assert speed and all(len(x) == 3 for r in speed for x in r["rounds"].values()) and all(r["first_s"] > 0 for r in speed)
+    assert len(saved["goals"]) == 16 and all(g["verdict"] == "not measured" for g in saved["goals"])
     assert report["sections"][0]["records"][0]["passed"]
-    out = capsys.readouterr().out
-    assert "[" in out and "kernels:" in out and "wrote" in out  # progress lines
+    second = gpu.main(["--dry-run", "--out", str(tmp_path / "second"), "--sections", *gpu.SECOND_CALL])
+    assert [s["status"] for s in second["sections"]] == ["measured"] * len(gpu.SECOND_CALL)
+
+
+def test_the_default_set_fits_the_default_budget_and_names_the_second_call(tmp_path):
+    """Without --sections the check runs every goal's section but the scan families' steps, which do not fit beside
+    them in 8 minutes by the estimates (with regions, the default); the report names the second call with its command."""
+    s = gpu.Settings("cuda", False, "model", 10, 3, regions=True)
+    every = {x.name: x for x in gpu.sections(s)}
+    default = gpu.default_set(s)
+    assert default == ["families", "attention", "dit-XL-tread", "dit-XL-sprint", "dit-B-tread", "trainer", "kernels", "kernel-speed"]
+    assert sum(every[n].estimate_s for n in default) <= 480 < sum(every[n].estimate_s for n in default + list(gpu.SECOND_CALL))
+    assert sum(every[n].estimate_s for n in gpu.SECOND_CALL) <= 480
+    # Every goal of docs/performance.md's table has its section in one of the two calls, but the opt-in batch 128 one.
+    goals = {x["goal"] for x in gpu_report.goals([], dry_run=False)}
+    assert len(goals) == 16
+    # Without regions the compiles are the H100's as measured: the same set needs far more than 8 minutes.
+    whole = {x.name: x for x in gpu.sections(gpu.Settings("cuda", False, "model", 10, 3, regions=False))}
+    assert sum(whole[n].estimate_s for n in default) > 480 and whole["dit-XL-tread"].estimate_s == 175
+    # With --tread the side-by-side takes dit-XL-tread's place.
+    s.tread = tmp_path
+    assert "dit-XL-official" in gpu.default_set(s) and "dit-XL-tread" not in gpu.default_set(s)
+    report = {"sections": [], "not_run": [{"name": n, "title": every[n].title, "estimate_s": every[n].estimate_s,
+                                           "second_call": n in gpu.SECOND_CALL} for n in gpu.SECOND_CALL + ("scaling",)]}
+    lines = "\n".join(gpu_report._not_run(report))
+    assert "`python -m train.bench.gpu --sections dit-S mamba-S rwkv-S`" in lines and "scaling (every family's step" in lines
+
+
+def test_the_check_compiles_with_regions_unless_told_not_to(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_speed, "best_compile_mode", lambda: "model")
+    assert gpu.parse([]).compile_regions is True
+    assert gpu.parse(["--no-compile-regions"]).compile_regions is False
+    assert gpu.parse(["--dry-run"]).compile_regions is False  # the dry run compiles nothing
+
+
+def test_fresh_caches_for_the_call_unless_the_environment_names_them(monkeypatch, tmp_path):
+    import os
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    with gpu.fresh_caches() as caches:
+        assert caches == {"TORCHINDUCTOR_CACHE_DIR": "fresh", "TRITON_CACHE_DIR": str(tmp_path)}
+        inductor = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        assert "gpu_check_caches_" in inductor and os.environ["TRITON_CACHE_DIR"] == str(tmp_path)
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ and os.environ["TRITON_CACHE_DIR"] == str(tmp_path)
+
+
+def test_a_call_killed_mid_run_keeps_the_report_of_the_sections_before(tmp_path, monkeypatch):
+    """The report is written after every section: a call killed from outside (a device's time limit) leaves the report
+    of what it measured, naming the sections it did not reach."""
+
+    def killed(s):
+        raise KeyboardInterrupt  # what no section catches: the call ends here
+
+    monkeypatch.setattr(gpu, "attention_checks", killed)
+    with pytest.raises(KeyboardInterrupt):
+        gpu.main(["--dry-run", "--sections", "families", "attention", "dit-B-tread", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert [x["name"] for x in saved["sections"]] == ["families"] and saved["sections"][0]["status"] == "passed"
+    md = (tmp_path / "report.md").read_text()
+    assert "- attention: **not reached**" in md and "- dit-B-tread: **not reached**" in md
 
 
 def test_tuned_configs_name_the_pick_and_every_configs_time():

@@ -83,9 +83,11 @@ def hard_stop(seconds: float):
 
 
 def run_sections(sections: list[Section], budget_s: float, dry_run: bool = False, clock: Callable[[], float] = time.monotonic,
-                 log: Callable[[str], None] = lambda line: print(line, flush=True)) -> list[dict]:
+                 log: Callable[[str], None] = lambda line: print(line, flush=True),
+                 after: Callable[[list[dict]], None] = lambda results: None) -> list[dict]:
     """Each section's record: name, title, kind, status (passed, failed, measured, error, skipped, stopped),
-    seconds, estimate_s, note and records."""
+    seconds, estimate_s, note and records. `after` gets the records so far after each section that ran (the check
+    writes its report then, so a call killed from outside keeps what it measured)."""
     began = clock()
     results = []
     for section in sections:
@@ -121,6 +123,7 @@ def run_sections(sections: list[Section], budget_s: float, dry_run: bool = False
         log(f"[{clock() - began:5.0f} s] {section.name}: {result['status']} in {result['seconds']:.0f} s"
             + (f"; {result['note']}" if result["note"] else ""))
         results.append(result)
+        after(results)
     return results
 
 

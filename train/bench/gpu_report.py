@@ -58,9 +58,10 @@ def goals(sections: list[dict], dry_run: bool) -> list[dict]:
     rows = {r["section"]: r for r in measured}  # one row per section, except the kernels'
     kernels = {(r["kernel"], r["precision"]): r for r in measured if "ms_fwd_bwd" in r}
 
-    def goal(text: str, value: dict, bound: float, fmt: str, at_most: bool = False, note: str = "", once: bool = False) -> dict:
+    def goal(text: str, value: dict, bound: float, fmt: str, at_most: bool = False, note: str = "", once: bool = False,
+             detail: str = "") -> dict:
         """`note`: why the value decides nothing (undecided whatever it reads); `once`: a value measured once by
-        design (a compile), decided on its own."""
+        design (a compile), decided on its own; `detail`: what the note adds of how it was measured."""
         rule = verdict(value["low"], value["high"], bound, at_most)
         if rule != "not measured" and note:
             rule = "undecided"
@@ -68,6 +69,7 @@ def goals(sections: list[dict], dry_run: bool) -> list[dict]:
             rule, note = "undecided", f"{value['n']} round(s), fewer than {ROUNDS}"
         elif once and value["n"]:
             note = "measured once (a compile is not repeated)"
+        note = "; ".join(x for x in (note, detail if value["n"] else "") if x)
         # A dry run applies the rule to its tiny shapes' rounds (`rule`, to check the command) and decides nothing.
         decided = "not measured" if dry_run else rule
         shown = None if value["median"] is None else f"{value['median']:{fmt}}"
@@ -77,6 +79,8 @@ def goals(sections: list[dict], dry_run: bool) -> list[dict]:
 
     def get(section: str, key: str) -> dict:
         return _spread(rows.get(section), key)
+
+    xl_row = rows.get("dit-XL-tread", rows.get("dit-XL-official"))
 
     def xl(key: str) -> dict:  # DiT-XL/2 TREAD: its own row, else our side of the side-by-side (the same step)
         return get("dit-XL-tread", key) if "dit-XL-tread" in rows else get("dit-XL-official", key)
@@ -98,7 +102,7 @@ def goals(sections: list[dict], dry_run: bool) -> list[dict]:
             goal("DiT-XL/2 TREAD, batch 64: unrouted MFU >= 45%", xl("mfu_unrouted"), 0.45, ".1%"),
             goal("DiT-XL/2 TREAD, batch 64: routed MFU >= 40%", xl("mfu_routed"), 0.40, ".1%"),
             goal("DiT-XL/2 TREAD: whole-model compile (the first unrouted and routed steps) under 90 s", xl("compile_s"), 90.0,
-                 ".0f", at_most=True, once=True),
+                 ".0f", at_most=True, once=True, detail=f"compile={_mode(xl_row)}" if xl_row and "compile" in xl_row else ""),
             goal("DiT-XL/2 TREAD, batch 128: unrouted MFU >= 45%", get("dit-XL-tread-b128", "mfu_unrouted"), 0.45, ".1%"),
             goal("DiT-XL/2 TREAD, batch 128: routed MFU >= 40%", get("dit-XL-tread-b128", "mfu_routed"), 0.40, ".1%"),
             goal("DiT-XL/2 SPRINT: routed efficiency >= 0.85", get("dit-XL-sprint", "efficiency"), 0.85, ".2f"),
@@ -275,7 +279,8 @@ READING = {
                "FLOPs / time / the card's dense bf16 peak; peak memory: the first step's; \"does not fit\": the model or its "
                "first step ran out of memory. A dry run steps each recipe once at its tiny shape on the CPU: its times mean "
                "nothing. python -m train.bench.scaling plots the same rows.",
-    "trainer": "python -m train's images/s over its logged steps after the first logged one (compilation and warm-up), "
+    "trainer": "python -m train's trainer (its config composed as the command composes it, then Trainer.fit, in the "
+               "check's process) in images/s over its logged steps after the first logged one (compilation and warm-up), "
                "each span between two logged steps a round, against batch / the bare routed step's time at the same shape "
                "and compile mode; the ratio's range pairs the extremes of both. First logged step: seconds from the loop's "
                "start to it (compilation and its first log_every steps).",
@@ -290,10 +295,13 @@ def markdown(report: dict) -> str:
              f"- bf16 autocast: {report['bf16']}; compile mode: {report['compile']}{' with regions' if report.get('compile_regions') else ''}"
              f"{' with CUDA graphs' if report['cuda_graphs'] else ''}; {report.get('rounds', 1)} rounds per speed row"
              f"{'; profiled' if report.get('profile') else ''}; budget {report['budget_s']:.0f} s, used {report['seconds']:.0f} s "
-             f"(estimated {report.get('estimate_s', 0):.0f} s for these sections on one H100)", "", "## Sections", ""]
+             f"(estimated {report.get('estimate_s', 0):.0f} s for these sections on one H100)", *_caches(report), "", "## Sections", ""]
     for s in sections:
         lines.append(f"- {s['title']}: **{s['status']}**" + (f" in {s['seconds']:.0f} s" if s["seconds"] is not None else "")
                      + (f"; {s['note']}" if s["note"] else ""))
+    done = {s["name"] for s in sections}
+    lines += [f"- {name}: **not reached** (the call ended before it; this report was written after the section before)"
+              for name in report.get("asked", []) if name not in done]
     lines += _not_run(report)
     lines += ["", "## Goals" + (" (a dry run decides none)" if report["dry_run"] else ""), "",
               "Median and range over the row's rounds; met only when the whole range meets the goal, missed only when the whole "
@@ -343,13 +351,28 @@ def _profiles(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _caches(report: dict) -> list[str]:
+    """Which Inductor and Triton caches the compiles used: fresh ones make every first step a cold compile."""
+    caches = report.get("caches") or {}
+    if not caches:
+        return []
+    return ["- compile caches: " + ", ".join(f"{name} {'fresh for this call' if where == 'fresh' else where}"
+                                             for name, where in caches.items())]
+
+
 def _not_run(report: dict) -> list[str]:
     """The sections this run left out (opt-in, or not asked for) and those skipped for the budget, with the call
     that runs the skipped ones."""
     lines = []
-    if report.get("not_run"):
+    second = [x for x in report.get("not_run", []) if x.get("second_call")]
+    if second:
+        lines += ["", f"The second call, for the goals this set leaves out (about {sum(x['estimate_s'] for x in second):.0f} s): "
+                  f"`python -m train.bench.gpu --sections {' '.join(x['name'] for x in second)}` ("
+                  + "; ".join(x["title"] for x in second) + ")."]
+    optional = [x for x in report.get("not_run", []) if not x.get("second_call")]
+    if optional:
         lines += ["", "Not in this run (name them with --sections): "
-                  + "; ".join(f"{x['name']} ({x['title']}, about {x['estimate_s']:.0f} s)" for x in report["not_run"])]
+                  + "; ".join(f"{x['name']} ({x['title']}, about {x['estimate_s']:.0f} s)" for x in optional)]
     skipped = [s["name"] for s in report["sections"] if s["status"] in ("skipped", "stopped")]
     if skipped:
         lines += ["", f"Skipped or stopped for the budget: `python -m train.bench.gpu --sections {' '.join(skipped)}` runs them."]

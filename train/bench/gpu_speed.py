@@ -15,8 +15,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
-import sys
 import time
 from unittest import mock
 from collections.abc import Iterator
@@ -31,7 +29,6 @@ from train.bench.spread import ROUNDS, interleaved_rounds, spread
 from train.bench.timing import card_bandwidth
 from train.bench.wkv import ideal_bytes as wkv_ideal_bytes
 
-ROOT = Path(__file__).resolve().parents[2]
 SWITCH = ("off", "blocks")  # what a store_true `--compile` (one per-block compile) can express
 
 
@@ -151,13 +148,13 @@ def scan_ideal_bytes(b: int, d: int, length: int, n: int, element: int) -> tuple
 
 def kernel_rows(device: torch.device, scan_shape: tuple[int, ...], wkv_shape: tuple[int, ...], repeats: int, warmup: int,
                 rounds: int = ROUNDS, precisions: tuple[str, ...] = ("bf16", "fp32"), short_chunks: bool = True,
-                cuda_scan: bool = False) -> Iterator[dict]:
+                cuda_scan: bool = False, defaults: bool = True) -> Iterator[dict]:
     """Triton kernel and the chunked PyTorch op, forward and forward+backward, interleaved, with the ideal bytes
     against the card's bandwidth, one row at a time. Goals (issue 36, bf16): scan <= 0.6 ms, Bi-WKV <= 0.4 ms
     forward+backward. A last row times the scan in bf16 with 64-step chunks (TREAD_SCAN_CHUNK=64, the 1-2 warp
     configs) beside the default 256; the goal is decided by the default's row. Each row times `rounds` rounds and
-    keeps them (the goal is decided on their range); `precisions` and `short_chunks` choose the rows (the fp32 ones
-    decide no goal). `cuda_scan` times the scan's CUDA backend (TREAD_SCAN_BACKEND=cuda, compiled by load_inline on its
+    keeps them (the goal is decided on their range); `precisions`, `defaults` (the rows at the default chunk) and
+    `short_chunks` choose the rows (the fp32 ones and the 64-step one decide no goal). `cuda_scan` times the scan's CUDA backend (TREAD_SCAN_BACKEND=cuda, compiled by load_inline on its
     first call, minutes) in place of the other rows: opt-in until a GPU has timed it, so it decides no goal yet."""
     from backbones.ops import selective_scan_triton, wkv_triton
     from backbones.ops.cuda_kernels import scan_fn
@@ -188,7 +185,7 @@ def kernel_rows(device: torch.device, scan_shape: tuple[int, ...], wkv_shape: tu
             yield guarded({"kernel": name, "precision": precision, "shape": f"b{b} d{d} L{length} N{n}"},
                           lambda: scan(precision, name, "cuda"))
         return
-    for precision in precisions:
+    for precision in precisions if defaults else ():
         yield guarded({"kernel": "selective scan", "precision": precision, "shape": f"b{b} d{d} L{length} N{n}"},
                       lambda: scan(precision))
         yield guarded({"kernel": "Bi-WKV", "precision": precision, "shape": f"B{B} T{T} C{C}"}, lambda: wkv(precision))
@@ -270,9 +267,17 @@ def _sync(device) -> None:
 
 
 def trainer_row(preset: str, batch: int, size: int, steps: int, log_every: int, bf16: bool, compile_mode: str, cuda_graphs: bool,
-                dry_run: bool, timeout_s: float, regions: bool = False) -> dict:
-    """`python -m train` (a fresh process, as a user runs it) on shapes with TREAD's random routing: images/s over
-    the logged steps after the first logged one (which holds compilation and warm-up), from the log's wall time."""
+                dry_run: bool, regions: bool = False) -> dict:
+    """`python -m train`'s trainer on shapes with TREAD's random routing, run in this process as the command runs it
+    (the config composed and checked as the command composes it, then Trainer(cfg).fit(): the same loop, logging and
+    metrics file): images/s over the logged steps after the first logged one (which holds compilation and warm-up),
+    from the log's wall time. In this process, not a fresh one, so the check pays no second start-up (imports, CUDA
+    context) and its compiles share this process's Inductor caches; a user's process pays those before step 1, and
+    no logged step after the first includes them."""
+    from train.bench.trainer_speed import compose_training
+    from train.files.metrics_log import read_metrics
+    from train.trainer import Trainer
+
     with tempfile.TemporaryDirectory(prefix="gpu_check_train_") as tmp:
         argv = [f"backbone.preset={preset}", "backbone.patch_size=2", "data=shapes", f"data.resolution={size}", "routing=random",
                 f"trainer.batch_size={batch}", f"trainer.max_steps={steps}", f"trainer.log_every={log_every}",
@@ -281,19 +286,11 @@ def trainer_row(preset: str, batch: int, size: int, steps: int, log_every: int, 
                 *(["trainer.compile_regions=true"] if regions else []),
                 f"run_dir={tmp}/run"]
         argv += ["trainer.cpu=true", "data.num_images=64"] if dry_run else []
-        env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if dry_run else {})}
         try:
-            done = subprocess.run([sys.executable, "-m", "train", *argv], cwd=ROOT, capture_output=True, text=True,
-                                  timeout=timeout_s, env=env)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"python -m train did not finish its {steps} steps in the {timeout_s:.0f} s left") from None
-        if done.returncode:
-            # The line that names the failure: a refusal ("error: ...") or an exception, not Hydra's closing hint.
-            lines = [line.strip() for line in (done.stdout + done.stderr).splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
-            named = [line for line in lines if re.search(r"^error:|Error\b|Exception\b", line)]
-            raise RuntimeError(f"python -m train exited with {done.returncode}: {(named or lines or ['no output'])[-1]}")
-        from train.files.metrics_log import read_metrics
-
+            cfg = compose_training(argv)
+        except SystemExit as stop:  # its refusal (one sentence, above) must not end the whole check
+            raise RuntimeError(f"python -m train refused its arguments (exit {stop.code}): {' '.join(argv)}") from None
+        Trainer(cfg).fit()
         records = [json.loads(line) for line, _ in read_metrics(Path(tmp) / "run" / "metrics.jsonl")]
     timed = [r for r in records if "seconds" in r]
     if len(timed) < 2:
@@ -303,5 +300,5 @@ def trainer_row(preset: str, batch: int, size: int, steps: int, log_every: int, 
     # Each span between two logged steps after the first logged one is a round: its images/s.
     rounds = [batch * (b["step"] - a["step"]) / (b["seconds"] - a["seconds"]) for a, b in zip(timed, timed[1:])]
     return {"command": "python -m train " + " ".join(a for a in argv if not a.startswith("run_dir=")), "steps_timed": last["step"] - first["step"],
-            "trainer_images_per_s": rate, "compile": compile_mode, "cuda_graphs": cuda_graphs,
+            "trainer_images_per_s": rate, "compile": compile_mode, "cuda_graphs": cuda_graphs, "regions": regions,
             "first_s": first["seconds"], "rounds": {"trainer_images_per_s": rounds}}
