@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"GPU check on {env['device']}, torch {env['torch']}, Triton {env['triton']}, commit {env['commit']}; compile={s.compile}"
           f"{' with regions' if s.regions else ''}{' with CUDA graphs' if s.cuda_graphs else ''}, {s.rounds} rounds per row"
           f"{', profiled' if s.profile else ''}, budget {args.budget_s:.0f} s{', dry run' if s.dry_run else ''}; "
-          f"{len(chosen)} sections, about {estimate:.0f} s on one H100 by the last reports' times", flush=True)
+          f"{len(chosen)} sections, about {estimate:.0f} s on one H100 by the estimates (H100 times, regions' CPU ratio)", flush=True)
     began = time.monotonic()
     report = {"command": "python -m train.bench.gpu " + " ".join(sys.argv[1:] if argv is None else argv), "date": now(),
               "dry_run": s.dry_run, "environment": env, "bf16": s.bf16, "compile": s.compile, "cuda_graphs": s.cuda_graphs,
