@@ -187,8 +187,9 @@ REGIONS_B = 52 / 72  # DiT-B/2 (12 blocks): 59 s and 79 s, less ~7 s; the S rows
 
 def compiled(s: Settings, compile_s: float, ratio: float, rest_s: float) -> float:
     """A section's estimate: the H100's measured compile time, scaled by the CPU's regions ratio when the check
-    compiles with regions, plus the rest of the section (building, FLOP counts, timing)."""
-    return round(compile_s * (ratio if s.regions else 1.0) + rest_s)
+    compiles with regions, plus the rest of the section (building, FLOP counts, timing). A dry run, which compiles
+    nothing, reports the estimates of the GPU run it stands for: with regions, the default."""
+    return round(compile_s * (ratio if s.regions or s.dry_run else 1.0) + rest_s)
 
 
 def sections(s: Settings) -> list[Section]:
