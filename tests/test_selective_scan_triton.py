@@ -166,6 +166,14 @@ def test_float64_matches_definition(device, d, length, n):
     _check(_inputs(2, d, length, n, torch.float64, device), tol=1e-10)
 
 
+@pytest.mark.parametrize("length", [1, 17, 300])
+def test_odd_lengths_and_partial_channel_blocks(device, length):
+    """Lengths that are not a multiple of 16 (on a GPU the JIT builds those without the divisibility hint on L, another
+    layout: selective_scan_triton_kernels._SHAPE_ARGS), 300 = a 256-step chunk and a padded 44-step one, and d = 6:
+    the last channel block (BLOCK_D 4) and the backward's walk over CPP 8 channels half empty."""
+    _check(_inputs(2, 6, length, 4, torch.float64, device), tol=1e-10)
+
+
 @pytest.mark.parametrize("d,length,n", [(3, 40, 4), (20, 24, 16)])
 def test_float32_within_state_tolerance(device, d, length, n):
     """fp32 kernel vs the fp64 definition on the same values: 1e-5 of the largest magnitude."""
@@ -224,17 +232,14 @@ def test_layout_does_not_depend_on_the_tuned_config(monkeypatch):
     assert "batch" in sst.bwd_kernel.keys
 
 
-def test_backward_configs_are_pruned_by_shape_dtype_and_flags(monkeypatch):
-    """Only the CPPs `backward_cpps` keeps are timed; at 256-step chunks every block config, z or not (none spills as
-    launched, kernel_compile, sm_90); at short chunks the ones that spill least as launched for u's dtype and z."""
+def test_backward_configs_are_pruned_by_shape_and_chunk(monkeypatch):
+    """Only the CPPs `backward_cpps` keeps are timed; every block config made for the chunk, whatever the dtype and
+    flags: with their register budgets none spills as launched (kernel_compile, sm_90)."""
     import triton
 
     monkeypatch.setattr(sst, "_INTERPRETED", False)  # the GPU's candidates
-
-    configs = [triton.Config({"BLOCK_D": bd, "CPP": c}, num_warps=w)
-               for bd, w in sst.BWD_CONFIGS + sst.SHORT_BWD_CONFIGS for c in sst.BWD_CPP]
-    fp32, bf16 = (torch.empty(0, dtype=t, device="meta") for t in (torch.float32, torch.bfloat16))
-    shape = {"batch": 64, "g": 1, "d": 768, "u_ptr": fp32}
+    configs = sst._configs(sst.BWD_CONFIGS + sst.SHORT_BWD_CONFIGS, sst.BWD_CPP, sst.BWD_MAXNREG)
+    shape = {"batch": 64, "g": 1, "d": 768, "u_ptr": torch.empty(0, dtype=torch.float32, device="meta")}
 
     def blocks(named_args, **flags):
         return {(c.kwargs["BLOCK_D"], c.num_warps) for c in sst._prune_backward(configs, named_args, **flags)}
@@ -242,15 +247,17 @@ def test_backward_configs_are_pruned_by_shape_dtype_and_flags(monkeypatch):
     kept = {c.kwargs["CPP"] for c in sst._prune_backward(configs, shape, HAS_Z=False, CHUNK=256)}
     assert kept == set(sst.backward_cpps(64, 1, 768))
     assert {c.kwargs["CPP"] for c in sst._prune_backward(configs, {**shape, "batch": 4096}, HAS_Z=False, CHUNK=256)} == {64}
-    with_z = sst._prune_backward(configs, shape, HAS_Z=True, CHUNK=256)
-    assert blocks(shape, HAS_Z=True, CHUNK=256) == set(sst.BWD_CONFIGS) and len(with_z) == 3 * len(kept)
-    # Chunks of <= 64 steps take the 1-2 warp configs, longer ones the wide ones; the forward too. In fp32 the one-warp
-    # backward spills with any flags, and the two-warp one less (it is kept even without z, where it spills 4-8 bytes);
-    # in bf16 the one-warp one never spills and the two-warp one only without z.
+    assert len(sst._prune_backward(configs, shape, HAS_Z=True, CHUNK=256)) == len(sst.BWD_CONFIGS) * len(kept)
+    # Chunks of <= 64 steps take the 1-2 warp configs, longer ones the wide ones; the forward too.
     block = {"HAS_D": True, "HAS_BIAS": True, "SOFTPLUS": True}  # the Mamba block's flags
-    assert blocks(shape, CHUNK=64, **block) == blocks(shape, CHUNK=64, HAS_Z=True, **block) == {(2, 2)}
-    assert blocks({**shape, "u_ptr": bf16}, CHUNK=64, **block) == {(2, 1)}
-    assert blocks({**shape, "u_ptr": bf16}, CHUNK=64, HAS_Z=True) == set(sst.SHORT_BWD_CONFIGS)
+    for flags in ({}, block, {**block, "HAS_Z": True}):
+        assert blocks(shape, CHUNK=64, **flags) == set(sst.SHORT_BWD_CONFIGS)
+        assert blocks(shape, CHUNK=256, **flags) == set(sst.BWD_CONFIGS)
+    # The budgets ptxas is given (`.maxnreg`): the configs that spilled without one, and only those.
+    budgets = {(c.kwargs["BLOCK_D"], c.num_warps): c.maxnreg for c in configs}
+    assert budgets == {**{pair: None for pair in sst.BWD_CONFIGS + sst.SHORT_BWD_CONFIGS}, **sst.BWD_MAXNREG}
+    forward = sst._configs(sst.FWD_CONFIGS + sst.SHORT_FWD_CONFIGS, (), sst.FWD_MAXNREG)
+    assert {(c.kwargs["BLOCK_D"], c.num_warps): c.maxnreg for c in forward if c.maxnreg} == sst.FWD_MAXNREG == {(8, 16): 128}
     forward = [triton.Config({"BLOCK_D": bd}, num_warps=w) for bd, w in sst.FWD_CONFIGS + sst.SHORT_FWD_CONFIGS]
     assert {(c.kwargs["BLOCK_D"], c.num_warps) for c in sst._prune_forward(forward, {}, CHUNK=32)} == set(sst.SHORT_FWD_CONFIGS)
     assert {(c.kwargs["BLOCK_D"], c.num_warps) for c in sst._prune_forward(forward, {}, CHUNK=128)} == set(sst.FWD_CONFIGS)

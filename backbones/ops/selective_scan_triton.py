@@ -97,42 +97,43 @@ _MAX_BWD_PROGRAMS = 8192
 _INTERPRETED = isinstance(_scan_fwd_kernel, InterpretedFunction)
 
 
-def _configs(shapes: tuple[tuple[int, int], ...], cpps: tuple[int, ...] = ()) -> list[triton.Config]:
-    """(BLOCK_D, num_warps) pairs as autotune configs, each at every CPP given (backward's channels per program)."""
+def _configs(shapes: tuple[tuple[int, int], ...], cpps: tuple[int, ...] = (), budgets: dict | None = None) -> list[triton.Config]:
+    """(BLOCK_D, num_warps) pairs as autotune configs, each at every CPP given (backward's channels per program), with
+    the register budget `budgets` gives the pair (FWD_MAXNREG, BWD_MAXNREG)."""
     if _INTERPRETED:  # the interpreter would run every config; one small one exercises the same code (CPP 8: two blocks)
         return [triton.Config({"BLOCK_D": 4, **({"CPP": cpps[0]} if cpps else {})}, num_warps=1)]
-    return [triton.Config({"BLOCK_D": bd, **({"CPP": c} if c else {})}, num_warps=w) for bd, w in shapes for c in cpps or (None,)]
+    return [triton.Config({"BLOCK_D": bd, **({"CPP": c} if c else {})}, num_warps=w, maxnreg=(budgets or {}).get((bd, w)))
+            for bd, w in shapes for c in cpps or (None,)]
 
 
 # Keyed on the shape and the flags; the autotuner adds every tensor argument's dtype to the key itself.
 _KEY = ["d", "g", "L", "N", "HAS_D", "HAS_Z", "HAS_BIAS", "CHUNK"]
 _BWD_KEY = ["batch", *_KEY]  # the CPPs backward may pick depend on the batch (`backward_cpps`)
-# Only configs that compile for sm_90 without register spills as the JIT builds them at launch at the reference
-# shape (`python -m train.bench.kernel_compile`, Triton 3.8; docs/performance.md has every count). At 4 and 8 warps,
-# forward BLOCK_D 8 and 16 spill 52-688 bytes per thread (an unspecialised build, ptxas 12.9); backward BLOCK_D 2 at 8
-# warps takes 128 registers, BLOCK_D 4 at 4 warps 195-250 and at 16 warps 112-120, none spilling with any flags in
-# fp32 or bf16. (Built unspecialised, BLOCK_D 4 at 4 warps seemed to spill and at 16 warps to spill 16 bytes with z,
-# and both were dropped: the launch build does neither.) With Triton 3.6 (the H100 image) the 16-warp tiles spilled
-# 4-32 bytes. The one H100 run (docs/gpu/h100-2026-11-26b) found both kernels bound by the latency of many small tile
-# scans, so the larger tiles are candidates the autotuner times, not a measured improvement. BLOCK_D must divide every
-# CPP (>= 8) in backward.
+# Every shipped config compiles for sm_90 without register spills as the JIT builds it at launch, in fp32 and bf16, at
+# the reference shape b64 d768 L256 N16 with every flag set and at L 1,024, 4,096 and 16,384 with the batch keeping
+# 16,384 tokens and the Mamba block's flags (`python -m train.bench.kernel_compile --kernels scan [--lengths ...]`,
+# Triton 3.8; docs/performance.md has every count). At 4 and 8 warps, forward BLOCK_D 8 and 16 spill 52-688 bytes per thread (an unspecialised build,
+# ptxas 12.9); backward BLOCK_D 2 at 8 warps takes 128 registers, BLOCK_D 4 at 4 warps 195-255 and at 16 warps
+# 112-128. With Triton 3.6 (the H100 image) the 16-warp tiles spilled 4-32 bytes. The one H100 run
+# (docs/gpu/h100-2026-11-26b) found both kernels bound by the latency of many small tile scans, so the larger tiles are
+# candidates the autotuner times, not a measured improvement. BLOCK_D must divide every CPP (>= 8) in backward.
 FWD_CONFIGS = ((2, 4), (4, 4), (4, 8), (8, 16))  # (BLOCK_D, num_warps) on a GPU, chunks of 128 and 256
 BWD_CONFIGS = ((2, 8), (4, 4), (4, 16))
 # Chunks of <= 64 steps on 1-2 warps, built as launched at CHUNK 64: forward 61-124 registers, no spill. Backward
-# BLOCK_D 1 at 1 warp spilled 16 bytes (unspecialised), so it is not a candidate. Backward BLOCK_D 2, spill stores per
-# thread with flags none / model (D, delta_bias, softplus) / all (with z): at 1 warp 16 / 16 / 8 bytes in fp32 and
-# none in bf16; at 2 warps 4 / 8 / 0 in both dtypes (ptxas holds them at 128 and 96 registers). `_prune_backward`
-# keeps the ones that do not spill, and where both do (fp32 without z) the 2-warp one, which spills less.
+# BLOCK_D 1 at 1 warp spilled 16 bytes (unspecialised), so it is not a candidate.
 SHORT_FWD_CONFIGS = ((1, 1), (2, 1), (4, 2))
 SHORT_BWD_CONFIGS = ((2, 1), (2, 2))
-
-
-def _short_backward(element_size: int, has_z: bool) -> set[tuple[int, int]]:
-    """The short-chunk backward configs (BLOCK_D, num_warps) that spill least as launched, for inputs of this element
-    size (fp16 taken as bf16, fp64 as fp32: neither was compiled) and the z flag (numbers above)."""
-    if element_size >= 4:
-        return {(2, 2)}
-    return {(2, 1), (2, 2)} if has_z else {(2, 1)}
+# Registers per thread ptxas may use (`.maxnreg`), by (BLOCK_D, num_warps); unset, ptxas picks. Left to itself it held
+# some blocks below what they need and spilled: backward BLOCK_D 2 at 1 warp at 128 registers, spilling 8-28 bytes (at
+# 64-step chunks: fp32 with any flags, bf16 at batch 1), at 2 warps at 96 (4-8 bytes: fp32, or bf16 without z), at 8
+# warps at 128 (8-16 bytes: bf16 over more than one chunk with z, or at batch 1); forward BLOCK_D 8 at 16 warps at 64
+# (12 bytes: fp32 without D, z or bias, over more than one chunk). Given a budget it allocates afresh and none spills:
+# backward at 1 warp 147-160 registers (12 programs per SM), at 2 warps and at 8 at most 128 (8 and 2 programs, as
+# before); forward at 16 warps at most 90 (128 is that size's ceiling anyway). Each budget is the smallest of 128, 160
+# and 192 without a spill in any build compiled (docs/performance.md: the reference shape with every flag set, the
+# scaling lengths with the Mamba block's, fp32 and bf16).
+FWD_MAXNREG = {(8, 16): 128}
+BWD_MAXNREG = {(2, 1): 160, (2, 2): 128, (2, 8): 128}
 
 
 def _for_chunk(configs: list[triton.Config], chunk: int, short: tuple, wide: tuple) -> list[triton.Config]:
@@ -146,19 +147,14 @@ def _prune_forward(configs: list[triton.Config], named_args: dict, **kwargs) -> 
 
 
 def _prune_backward(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """The backward configs for this chunk, shape, dtype and these flags: the chunk's own block configs, CPPs that
-    `backward_cpps` keeps, and at short chunks the block configs that spill least as launched (`_short_backward`)."""
+    """The backward configs for this chunk and shape: the chunk's own block configs at the CPPs `backward_cpps` keeps."""
     cpps = backward_cpps(named_args["batch"], named_args["g"], named_args["d"] // named_args["g"])
-    short = SHORT_BWD_CONFIGS
-    if kwargs["CHUNK"] <= SHORT_CHUNK:
-        u = named_args.get("u_ptr")
-        short = _short_backward(u.element_size() if u is not None else 4, bool(kwargs.get("HAS_Z")))
-    return [c for c in _for_chunk(configs, kwargs["CHUNK"], short, BWD_CONFIGS) if c.kwargs["CPP"] in cpps]
+    return [c for c in _for_chunk(configs, kwargs["CHUNK"], SHORT_BWD_CONFIGS, BWD_CONFIGS) if c.kwargs["CPP"] in cpps]
 
 
-fwd_kernel = triton.autotune(configs=_configs(FWD_CONFIGS + SHORT_FWD_CONFIGS), key=_KEY,
+fwd_kernel = triton.autotune(configs=_configs(FWD_CONFIGS + SHORT_FWD_CONFIGS, (), FWD_MAXNREG), key=_KEY,
                              prune_configs_by={"early_config_prune": _prune_forward})(_scan_fwd_kernel)
-bwd_kernel = triton.autotune(configs=_configs(BWD_CONFIGS + SHORT_BWD_CONFIGS, BWD_CPP), key=_BWD_KEY,
+bwd_kernel = triton.autotune(configs=_configs(BWD_CONFIGS + SHORT_BWD_CONFIGS, BWD_CPP, BWD_MAXNREG), key=_BWD_KEY,
                              prune_configs_by={"early_config_prune": _prune_backward})(_scan_bwd_kernel)
 
 

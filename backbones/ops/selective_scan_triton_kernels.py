@@ -4,6 +4,20 @@ tuned and counted: backbones/ops/selective_scan_triton.py."""
 import triton
 import triton.language as tl
 
+# Triton's JIT specialises an integer argument at launch when it is a multiple of 16 (a divisibility hint) or 1 (a
+# constant). Built both ways at b64 d768 L256 N16 and at L = 1,024, 4,096 and 16,384 with the batch keeping 16,384
+# tokens (`python -m train.bench.kernel_compile --unspecialised`, sm_90; docs/reports/2026-11-27-scan-specialisation.md):
+# - L, specialised: its divisibility is what vectorises the (BLOCK_D, CHUNK) loads along time, so a thread holds
+#   consecutive steps and composes them in registers before the cross-lane scan (mamba-ssm's layout). Forward BLOCK_D 4
+#   at 4 warps, bf16: 696 SASS instructions and 10 shuffles, against 1,120 and 80 with L unspecialised. A length that
+#   is not a multiple of 16 gets the unvectorised build.
+# - n_chunks and g, specialised: one chunk (n_chunks == 1) drops the chunk loop (696 instructions against 848), one
+#   group (g == 1) folds the group arithmetic (against 720).
+# - d, N, batch and slots: no instruction changes with them (every (b, d, l) address is a multiple of L; batch is only
+#   in the tuning key), so they are not specialised: a new batch size or width builds no new binary. (Specialised,
+#   batch 1 built a second binary whose register allocation spilled where the others did not.)
+_SHAPE_ARGS = ["d", "N"]  # and backward's batch and slots
+
 
 @triton.jit
 def _compose(a1, x1, a2, x2):
@@ -38,7 +52,7 @@ def _step_size(delta_raw, bias, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
     return delta, slope
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SHAPE_ARGS)
 def _scan_fwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, out_ptr, states_ptr,
     d, g, L, N, n_chunks,
@@ -102,7 +116,7 @@ def _scan_fwd_kernel(
         tl.store(out_ptr + row[:, None] + t[None, :], y.to(out_ptr.dtype.element_ty), mask=dt_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[*_SHAPE_ARGS, "batch", "slots"])
 def _scan_bwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, dout_ptr, states_ptr,
     du_ptr, ddelta_ptr, dz_ptr, dA_ptr, dB_ptr, dC_ptr, dD_ptr, dbias_ptr,

@@ -31,6 +31,7 @@ row picks folded (backbones/ops/wkv_triton_walks.py `_PARTS`), and whether a til
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import os
 import re
@@ -54,10 +55,17 @@ FLAG_SETS = {
 _FLAG_NAMES = {"HAS_D": "D", "HAS_Z": "z", "HAS_BIAS": "bias", "SOFTPLUS": "softplus"}
 # Pointers in the compute dtype (fp32); every other pointer has the input's dtype.
 _FP32_POINTERS = {"A_ptr", "D_ptr", "bias_ptr", "states_ptr", "dA_ptr", "dB_ptr", "dC_ptr", "dD_ptr", "dbias_ptr",
-                  "w_ptr", "u_ptr", "agg_ptr", "carry_ptr", "fcarry_ptr", "bcarry_ptr", "part_ptr"}
+                  "w_ptr", "u_ptr", "agg_ptr", "carry_ptr", "fcarry_ptr", "bcarry_ptr", "part_ptr",
+                  "hand_ptr"}
 _WKV_FP32 = {"u_ptr"}  # WKV's u is the (C,) bonus (fp32); the scan's u is the (b, d, l) input
 # The reference shapes the integer arguments take (the scan's n_chunks and slots follow from them, `cases`).
 SCAN_SHAPE = dict(batch=64, d=768, g=1, L=256, N=16)
+# `--lengths`: the scaling bench's sequence lengths (train.bench.scaling), each at the batch that keeps SCAN_TOKENS.
+SCAN_TOKENS = SCAN_SHAPE["batch"] * SCAN_SHAPE["L"]
+# The device-time estimate: one warp instruction per scheduler per cycle on an H100 SXM (132 SMs, 4 schedulers each,
+# 1.755 GHz), the rate issue 46 used (the selective scan backward's 4.8 per state update = 1.04 ms). A floor before
+# any stall, latency or barrier wait: an estimate, not a measurement.
+H100_WARP_INSTRUCTIONS_PER_S = 132 * 4 * 1.755e9
 WKV_SHAPE = dict(B=64, T=256, C=384)
 
 
@@ -70,11 +78,18 @@ class Case:
     options: dict  # num_warps, num_stages, num_ctas
     dtype: str
     ints: dict  # the integer arguments' values at the reference shape, by name
+    # The kernel's loops, innermost first, as (integer argument or None for a constexpr, trip count); the scan's only
+    # (empty: no estimate). A loop over an argument the launch build takes as the constant 1 is gone (`loops`).
+    trips: tuple = ()
+    programs: int = 0  # the launch grid's programs
+    updates: int = 0  # state updates of the whole launch (b d l n), for the per-update rate
 
     @property
     def config(self) -> str:
         tuned = {k: v for k, v in self.constexprs.items() if (k.startswith("BLOCK_") and k not in ("BLOCK_N", "BLOCK_T")) or k == "CPP"}
-        return ",".join(f"{k}={v}" for k, v in tuned.items()) + f" w{self.options['num_warps']} s{self.options['num_stages']}"
+        budget = f" r{self.options['maxnreg']}" if self.options.get("maxnreg") else ""
+        return (",".join(f"{k}={v}" for k, v in tuned.items()) + f" w{self.options['num_warps']} s{self.options['num_stages']}"
+                + budget)
 
 
 def _flag_sets(which: str) -> dict[str, dict]:
@@ -93,32 +108,43 @@ def _tuned(autotuner, fixed: dict, shape: dict | None = None):
     shape (the kernel's integer arguments it reads), with the shape-fixed constexprs added."""
     prune = getattr(autotuner, "early_config_prune", None)
     for config in prune(autotuner.configs, shape or {}, **fixed) if prune else autotuner.configs:
-        options = {k: v for k, v in config.all_kwargs().items() if k in ("num_warps", "num_stages", "num_ctas")}
+        options = {k: v for k, v in config.all_kwargs().items()
+                   if k in ("num_warps", "num_stages", "num_ctas") or (k == "maxnreg" and v is not None)}
         yield {**fixed, **config.kwargs}, options
 
 
-def cases(dtypes: list[str], flag_sets: dict[str, dict], kernels: str = "") -> list[Case]:
-    """Every (kernel, autotune config, dtype, flags) to compile; `kernels` filters by substring of the name."""
+def cases(dtypes: list[str], flag_sets: dict[str, dict], kernels: str = "", lengths: tuple[int, ...] = (256,)) -> list[Case]:
+    """Every (kernel, autotune config, dtype, flags) to compile; `kernels` filters by substring of the name. The scan's
+    kernels at each of `lengths` (the batch keeping SCAN_TOKENS; variants past the reference say "@length x batch")."""
     import torch
     import triton
 
     from backbones.ops import selective_scan_triton as scan
     from backbones.ops import wkv_triton as wkv
 
-    b, d, g, L = (SCAN_SHAPE[k] for k in ("batch", "d", "g", "L"))
-    slots = triton.cdiv(d // g, min(scan.backward_cpps(b, g, d // g)))  # as scan_backward allocates them
+    d, g, N = (SCAN_SHAPE[k] for k in ("d", "g", "N"))
     wkv_ints = dict(WKV_SHAPE, n_chunks=triton.cdiv(WKV_SHAPE["T"], wkv.chunk_len(WKV_SHAPE["T"])))
     found = []
     for dtype in dtypes:
-        for (name, flags), chunk in itertools.product(flag_sets.items(), (scan.MAX_CHUNK, scan.SHORT_CHUNK)):
+        for L, (name, flags), chunk in itertools.product(lengths, flag_sets.items(), (scan.MAX_CHUNK, scan.SHORT_CHUNK)):
+            b = max(1, SCAN_TOKENS // L)
             fixed, variant = dict(flags, EXP2=True, BLOCK_N=16, CHUNK=chunk), f"{dtype} {name} L{chunk}"
-            ints = dict(SCAN_SHAPE, n_chunks=triton.cdiv(L, chunk), slots=slots)
+            variant += f" @{L}x{b}" if L != SCAN_SHAPE["L"] else ""
+            n_chunks = triton.cdiv(L, chunk)
+            slots = triton.cdiv(d // g, min(scan.backward_cpps(b, g, d // g)))  # as scan_backward allocates them
+            ints = dict(SCAN_SHAPE, batch=b, L=L, n_chunks=n_chunks, slots=slots)
+            loops = (("N", N), ("n_chunks", n_chunks))
             for constexprs, options in _tuned(scan.fwd_kernel, dict(fixed, STORE_STATES=True)):
-                found.append(Case("scan.fwd", scan.fwd_kernel.fn, variant, constexprs, options, dtype, ints))
+                programs = b * g * triton.cdiv(d // g, constexprs["BLOCK_D"])
+                found.append(Case("scan.fwd", scan.fwd_kernel.fn, variant, constexprs, options, dtype, ints, loops,
+                                  programs, b * d * L * N))
             # The pruner reads the batch, groups and channels, and u's dtype (named_args, as the autotuner passes them).
-            inputs = dict(SCAN_SHAPE, u_ptr=torch.empty(0, dtype=getattr(torch, TORCH_DTYPES[dtype]), device="meta"))
+            inputs = dict(SCAN_SHAPE, batch=b, u_ptr=torch.empty(0, dtype=getattr(torch, TORCH_DTYPES[dtype]), device="meta"))
             for constexprs, options in _tuned(scan.bwd_kernel, fixed, inputs):
-                found.append(Case("scan.bwd", scan.bwd_kernel.fn, variant, constexprs, options, dtype, ints))
+                programs = b * g * triton.cdiv(d // g, constexprs["CPP"])
+                walk = ((None, constexprs["CPP"] // constexprs["BLOCK_D"]),)  # the channel blocks' loop, outermost
+                found.append(Case("scan.bwd", scan.bwd_kernel.fn, variant, constexprs, options, dtype, ints,
+                                  loops + walk, programs, b * d * L * N))
         for kname, autotuner in (("wkv.fwd_sums", wkv._fwd_sums_kernel), ("wkv.fwd", wkv._fwd_kernel),
                                  ("wkv.bwd_sums", wkv._bwd_sums_kernel), ("wkv.bwd", wkv._bwd_kernel)):
             for constexprs, options in _tuned(autotuner, dict(BLOCK_T=16)):
@@ -131,11 +157,12 @@ def cases(dtypes: list[str], flag_sets: dict[str, dict], kernels: str = "") -> l
     return [c for c in found if kernels in c.kernel]
 
 
-def launch_build(case: Case, arch: int):
+def launch_build(case: Case, arch: int, unspecialised: bool = False):
     """(ASTSource, options) of the kernel the JIT compiles when `case` is launched on sm_<arch>: the arguments go
     through the JITFunction's binder (Triton's specialisation rule and the kernel's do_not_specialize list) and
     `_pack_args`, as `JITFunction.run` does. Pointers are empty meta tensors of their dtype (address 0: 16-byte
-    aligned, as torch's allocations are)."""
+    aligned, as torch's allocations are). `unspecialised`: every integer argument as if in do_not_specialize (for
+    comparison; not what runs)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -151,7 +178,12 @@ def launch_build(case: Case, arch: int):
         elif arg not in case.constexprs:
             kwargs[arg] = case.ints[arg]
     backend = make_backend(GPUTarget("cuda", arch, 32))
-    bound, specialization, options = create_function_from_signature(case.fn.signature, case.fn.params, backend)(**kwargs)
+    params = case.fn.params
+    if unspecialised:
+        params = [copy.copy(p) for p in params]
+        for p in params:
+            p.do_not_specialize = p.do_not_specialize or p.name in case.ints
+    bound, specialization, options = create_function_from_signature(case.fn.signature, params, backend)(**kwargs)
     options, signature, constexprs, attrs = case.fn._pack_args(backend, kwargs, bound, specialization, options)
     return triton.compiler.ASTSource(fn=case.fn, signature=signature, constexprs=constexprs, attrs=attrs), options
 
@@ -166,9 +198,15 @@ class Row:
     seconds: float = 0.0
     error: str = ""
     sass: dict = None  # instruction counts: all, MUFU.EX2, FSEL, SHFL, BAR
+    executed: float = 0.0  # warp instructions the whole launch executes (loops weighted by `Case.trips`; 0: unknown)
+
+    @property
+    def estimate_ms(self) -> float:
+        """Device time at full issue on an H100 (H100_WARP_INSTRUCTIONS_PER_S): an estimate, not a measurement."""
+        return 1e3 * self.executed / H100_WARP_INSTRUCTIONS_PER_S
 
 
-def compile_case(case: Case, arch: int) -> Row:
+def compile_case(case: Case, arch: int, unspecialised: bool = False) -> Row:
     """Compiles one case for sm_<arch> and reads its registers and spills from `ptxas -v`."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -176,7 +214,7 @@ def compile_case(case: Case, arch: int) -> Row:
 
     start = time.perf_counter()
     try:
-        src, options = launch_build(case, arch)
+        src, options = launch_build(case, arch, unspecialised)
         kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options.__dict__)
         compiled_s = time.perf_counter() - start
     except Exception as err:  # a compile failure is a result of this tool: report it in the table
@@ -189,41 +227,90 @@ def compile_case(case: Case, arch: int) -> Row:
         log = subprocess.run([get_ptxas(arch).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
                               f"--gpu-name={sm_arch_from_capability(arch)}", ptx, "-o", ptx + ".o"],
                              capture_output=True, text=True, check=True).stderr
-        sass = _sass_counts(get_ptxas(arch).path, kernel.asm["cubin"], tmp)
+        ops = _sass(get_ptxas(arch).path, kernel.asm["cubin"], tmp)
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    per_thread = _executed(ops, loops(case, unspecialised)) if case.trips else 0.0
     return Row(case, registers=int(regs.group(1)), spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)),
-               shared=kernel.metadata.shared, seconds=compiled_s, sass=sass)
+               shared=kernel.metadata.shared, seconds=compiled_s, sass=_sass_counts(ops),
+               executed=per_thread * case.options["num_warps"] * case.programs)
 
 
-def _sass_counts(ptxas: str, cubin: bytes, tmp: str) -> dict:
-    """Instructions, exponentials, selects, shuffles and barriers in the kernel's SASS, by the cuobjdump beside the
-    wheel's ptxas."""
+def _sass(ptxas: str, cubin: bytes, tmp: str) -> list[tuple[int, str, int | None]]:
+    """The kernel's SASS as (address, opcode, branch target or None), by the cuobjdump beside the wheel's ptxas."""
     path = os.path.join(tmp, "kernel.cubin")
     with open(path, "wb") as f:
         f.write(cubin)
     listing = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass", path], capture_output=True,
                              text=True, check=True).stdout
-    # "/*0040*/  @!P0 SHFL.BFLY PT, R2, R0, 0x10, 0x1f ;": the opcode follows the offset and an optional predicate.
-    ops = [m.group(1) for line in listing.splitlines()
-           if (m := re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_.]*)", line))]
-    return {"all": len(ops), "exp": ops.count("MUFU.EX2"), "sel": sum(op.startswith("FSEL") for op in ops),
-            "shfl": sum(op.startswith("SHFL") for op in ops), "bar": sum(op.split(".")[0] == "BAR" for op in ops)}
+    # "/*0040*/  @!P0 SHFL.BFLY PT, R2, R0, 0x10, 0x1f ;": the opcode follows the offset and an optional predicate;
+    # "/*2280*/  @P4 BRA 0x1190 ;": a branch's target follows its opcode.
+    ops = []
+    for line in listing.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_.]*)\s*(0x[0-9a-f]+)?", line)
+        if m:
+            ops.append((int(m.group(1), 16), m.group(2), int(m.group(3), 16) if m.group(2) == "BRA" and m.group(3) else None))
+    return ops
+
+
+def _sass_counts(ops: list[tuple[int, str, int | None]]) -> dict:
+    """Instructions, exponentials, selects, shuffles and barriers in the kernel's SASS."""
+    names = [op for _, op, _ in ops]
+    return {"all": len(names), "exp": names.count("MUFU.EX2"), "sel": sum(op.startswith("FSEL") for op in names),
+            "shfl": sum(op.startswith("SHFL") for op in names), "bar": sum(op.split(".")[0] == "BAR" for op in names)}
+
+
+def loops(case: Case, unspecialised: bool = False) -> tuple[int, ...]:
+    """The trip counts of the loops `case`'s build has, innermost first: without those over an integer argument of 1
+    that the build specialises (a constant: the compiler removes the loop) or over a constexpr 1."""
+    specialised = {p.name for p in case.fn.params if not (p.do_not_specialize or unspecialised)}
+    return tuple(n for arg, n in case.trips if n != 1 or (arg is not None and arg not in specialised))
+
+
+def _executed(ops: list[tuple[int, str, int | None]], trips: tuple[int, ...]) -> float:
+    """Instructions one thread executes: each SASS instruction once per iteration of every loop around it. A loop is
+    a backward branch (its target to the branch); its trip count is `trips` at its height (0: a loop with none
+    inside, 1: around those, ...). Loops the compiler removed are the outermost (a constant trip count it unrolled, the
+    scan's channel walk), so fewer heights than trips take the innermost trips. 0.0 when there are more heights."""
+    spans = {}
+    for addr, _, target in ops:
+        if target is not None and target < addr:  # a loop's back edge; its header is the target
+            spans[target] = max(spans.get(target, addr), addr)
+    loops = sorted(spans.items())
+
+    def inside(a, b):  # loop a strictly within loop b
+        return a != b and b[0] <= a[0] and a[1] <= b[1]
+
+    height = {}
+    for loop in sorted(loops, key=lambda span: span[1] - span[0]):  # inner loops first
+        height[loop] = max((height[i] + 1 for i in loops if inside(i, loop) and i in height), default=0)
+    if height and max(height.values()) >= len(trips):
+        return 0.0
+    total = 0.0
+    for addr, _, _ in ops:
+        weight = 1
+        for loop, h in height.items():
+            weight *= trips[h] if loop[0] <= addr <= loop[1] else 1
+        total += weight
+    return total
 
 
 def table(rows: list[Row]) -> str:
-    head = (f"{'kernel':<14} {'variant':<26} {'config':<18} {'regs':>5} {'spill st/ld (B)':>16} {'shared (B)':>11} {'s':>5} "
-            f"{'SASS':>6} {'exp':>5} {'sel':>5} {'shfl':>5} {'bar':>4}")
+    """One line per row. `upd`: warp instructions per state update (the scan's; "-" for the others); `est ms`: the
+    launch at full issue on an H100 (`Row.estimate_ms`), an estimate, not measured."""
+    head = (f"{'kernel':<14} {'variant':<26} {'config':<27} {'regs':>5} {'spill st/ld (B)':>16} {'shared (B)':>11} {'s':>5} "
+            f"{'SASS':>6} {'exp':>5} {'sel':>5} {'shfl':>5} {'bar':>4} {'upd':>5} {'est ms':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         c = r.case
         if r.error:
-            lines.append(f"{c.kernel:<14} {c.variant:<26} {c.config:<18} FAILED: {r.error}")
+            lines.append(f"{c.kernel:<14} {c.variant:<26} {c.config:<27} FAILED: {r.error}")
         else:
             spill = f"{r.spill_stores}/{r.spill_loads}"
-            lines.append(f"{c.kernel:<14} {c.variant:<26} {c.config:<18} {r.registers:>5} {spill:>16} {r.shared:>11} "
+            rate, ms = (f"{r.executed / c.updates:.2f}", f"{r.estimate_ms:.3f}") if r.executed else ("-", "-")
+            lines.append(f"{c.kernel:<14} {c.variant:<26} {c.config:<27} {r.registers:>5} {spill:>16} {r.shared:>11} "
                          f"{r.seconds:>5.1f} {r.sass['all']:>6} {r.sass['exp']:>5} {r.sass['sel']:>5} "
-                         f"{r.sass['shfl']:>5} {r.sass['bar']:>4}")
+                         f"{r.sass['shfl']:>5} {r.sass['bar']:>4} {rate:>5} {ms:>7}")
     return "\n".join(lines)
 
 
@@ -241,6 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="fp32,bf16", help="input dtypes, comma-separated: fp32, bf16")
     parser.add_argument("--flags", default="standard",
                         help="scan flag sets: standard (none, model, all), every (all 16), or names from none,model,all")
+    parser.add_argument("--lengths", default=str(SCAN_SHAPE["L"]),
+                        help=f"the scan's sequence lengths, comma-separated, each at the batch keeping {SCAN_TOKENS:,} "
+                             "tokens: 256 (the reference), or the scaling bench's 256,1024,4096,16384")
+    parser.add_argument("--unspecialised", action="store_true",
+                        help="build every integer argument unspecialised, as if in do_not_specialize: not what runs, "
+                             "for comparison with the launch build")
     args = parser.parse_args(argv)
     check_environment()
     os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # the seconds column is a compile, never a cache hit
@@ -249,14 +342,18 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--dtypes: {bad[0]!r} is not one of {', '.join(DTYPES)}; pass e.g. --dtypes fp32,bf16")
     if args.flags not in ("standard", "every") and (bad := [f for f in args.flags.split(",") if f not in FLAG_SETS]):
         raise ConfigError(f"--flags: {bad[0]!r} is not standard, every or one of {', '.join(FLAG_SETS)}")
-    todo = cases(dtypes, _flag_sets(args.flags), args.kernels)
+    lengths = args.lengths.split(",")
+    if bad := [n for n in lengths if not n.isdigit() or int(n) < 1]:
+        raise ConfigError(f"--lengths: {bad[0]!r} is not a positive whole number; pass e.g. --lengths 256,1024,4096,16384")
+    todo = cases(dtypes, _flag_sets(args.flags), args.kernels, tuple(int(n) for n in lengths))
     if not todo:
         raise ConfigError(f"--kernels: no kernel name contains {args.kernels!r}; try scan, wkv, scan.bwd or wkv.combine")
-    print(f"compiling {len(todo)} kernel configs for sm_{args.arch} as launched at the reference shapes "
-          "(Triton AOT, no GPU needed)", flush=True)
+    built = ("with every integer argument unspecialised (not as launched)" if args.unspecialised
+             else "as launched at the reference shapes")
+    print(f"compiling {len(todo)} kernel configs for sm_{args.arch} {built} (Triton AOT, no GPU needed)", flush=True)
     rows = []
     for case in todo:
-        rows.append(compile_case(case, args.arch))
+        rows.append(compile_case(case, args.arch, args.unspecialised))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
     print()
     print(table(rows))
