@@ -1,5 +1,5 @@
-"""The scans' environment switches (TREAD_SCAN_BACKEND, TREAD_SCAN_CHUNK, TREAD_SSD_BACKEND), checked once when a
-command starts.
+"""The scans' environment switches (TREAD_SCAN_BACKEND, TREAD_SCAN_CHUNK, TREAD_SSD_BACKEND, and Bi-WKV's
+TREAD_WKV_KERNEL), checked once when a command starts.
 
 TREAD_SCAN_BACKEND picks the scan's implementation (backbones/ops/cuda_kernels.py) and TREAD_SCAN_CHUNK the Triton
 kernels' longest chunk (selective_scan_triton.max_chunk). The scan reads them where it runs: after the model is
@@ -59,4 +59,6 @@ def check_scan_environment(cuda: bool | None = None) -> list[str]:
             ssd_backend(cuda)
         except (RuntimeError, ValueError) as err:
             raise ConfigError(f"{str(err).rstrip('.')}; unset TREAD_SSD_BACKEND for auto.") from None
-    return notes
+    from backbones.ops.wkv_env import check_wkv_environment  # Bi-WKV's kernel switch (RWKV), read here once too
+
+    return notes + check_wkv_environment(cuda)

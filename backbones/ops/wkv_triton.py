@@ -64,19 +64,22 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from backbones.ops import wkv_triton_fused
 from backbones.ops.triton_launch import launch
+from backbones.ops.wkv_env import wkv_kernel
 from backbones.ops.wkv_triton_walks import (
     _NEG,
-    _PARTS,
+    _SHAPE_ARGS,
     _alpha_beta,
+    _bwd_tile,
     _chunk_sums,
     _chunk_sums_grad,
     _cols,
     _fwd_tile,
+    _load_bwd_carries,
     _load_fwd_carries,
     _push,
     _push_grad,
-    _put,
     _row,
     _slot,
     _tile,
@@ -88,12 +91,6 @@ _GROUP = 2 if os.environ.get("TRITON_INTERPRET") == "1" else 16
 _GROUP_PARTS = min(_GROUP, 8)  # the walk over a group, as unrolled copies of a 2-step loop (wkv_triton_walks._PARTS)
 
 
-# Integer arguments the JIT must not specialise. At launch Triton marks every integer divisible by 16 (C = 384,
-# T = 256, ...) as such, which lets it vectorise the (16, BLOCK_C) loads along channels (8 bf16 or 4 fp32 per
-# thread): a chunk's 16 rows then spread over 8 or 4 lanes and every row pick becomes shuffles and barriers (sm_90,
-# bf16 `_bwd_kernel`: 3,648 shuffles and 241 barriers at B64 T256 C384, against 0 and 0 with these left as plain
-# integers; `train.bench.kernel_compile` builds the kernels as launched). They only feed masks and addresses.
-_SHAPE_ARGS = ["B", "T", "C", "n_chunks"]
 
 
 def chunk_len(T: int) -> int:
@@ -232,60 +229,9 @@ def _bwd_kernel(w_ptr, u_ptr, k_ptr, v_ptr, gy_ptr, fcarry_ptr, bcarry_ptr, dk_p
     Y, Pt, Dt = _fwd_tile(K, V, rows, w, u, *carries, t0, T, BLOCK_T)
     S_, Al, Be = _alpha_beta(gy_ptr, offs, mask, Y, Pt, Dt)
 
-    # Bonus term and everything from the right. Padding rows have k = _NEG: their e^k terms vanish.
-    h = tl.load(bcarry_ptr + slot + 5 * field, mask=col_ok, other=_NEG)
-    Ra = tl.load(bcarry_ptr + slot + 6 * field, mask=col_ok, other=0.0)
-    Rb = tl.load(bcarry_ptr + slot + 7 * field, mask=col_ok, other=0.0)
-    Sa = tl.load(bcarry_ptr + slot + 8 * field, mask=col_ok, other=0.0)
-    Sb = tl.load(bcarry_ptr + slot + 9 * field, mask=col_ok, other=0.0)
-    du = tl.zeros([BLOCK_C], tl.float32)
-    dw = tl.zeros([BLOCK_C], tl.float32)
-    dK = tl.zeros_like(K)
-    dV = tl.zeros_like(K)
-    for part in tl.static_range(_PARTS):
-        for step in range(BLOCK_T // _PARTS):
-            jj = part * (BLOCK_T // _PARTS) + step
-            j = BLOCK_T - 1 - jj  # rows walked right to left
-            k_j = _row(K, rows, j)
-            v_j = _row(V, rows, j)
-            s_j = _row(S_, rows, j)
-            a_j = _row(Al, rows, j)
-            b_j = _row(Be, rows, j)
-            # e^{u + k_j} [alpha_j, beta_j]: the attention weight of token j on itself times g_j.
-            e_self = tl.exp((k_j + s_j) + u)
-            # e^{k_j} times the right carries: weights K(t, j) e^{k_j} / D_t <= 1, never overflows.
-            e_right = tl.exp(k_j + h)
-            dk_self = e_self * (v_j * a_j + b_j)
-            du += dk_self
-            dw -= e_right * (v_j * Sa + Sb)
-            dK = _put(dK, rows, j, dk_self + e_right * (v_j * Ra + Rb))
-            dV = _put(dV, rows, j, e_self * a_j + e_right * Ra)
-            valid = t0 + j < T
-            h2, Ra2, Rb2, Sa2, Sb2 = _push_grad(h, Ra, Rb, Sa, Sb, w, 1.0, s_j, a_j, b_j, 0.0, 0.0)
-            h = tl.where(valid, h2, h)
-            Ra = tl.where(valid, Ra2, Ra)
-            Rb = tl.where(valid, Rb2, Rb)
-            Sa = tl.where(valid, Sa2, Sa)
-            Sb = tl.where(valid, Sb2, Sb)
-
-    # Everything from the left, from the carries entering the chunk.
-    h = tl.load(bcarry_ptr + slot, mask=col_ok, other=_NEG)
-    La = tl.load(bcarry_ptr + slot + field, mask=col_ok, other=0.0)
-    Lb = tl.load(bcarry_ptr + slot + 2 * field, mask=col_ok, other=0.0)
-    Ma = tl.load(bcarry_ptr + slot + 3 * field, mask=col_ok, other=0.0)  # L'[alpha]
-    Mb = tl.load(bcarry_ptr + slot + 4 * field, mask=col_ok, other=0.0)  # L'[beta]
-    for part in tl.static_range(_PARTS):
-        for step in range(BLOCK_T // _PARTS):
-            j = part * (BLOCK_T // _PARTS) + step
-            k_j = _row(K, rows, j)
-            v_j = _row(V, rows, j)
-            e_left = tl.exp(k_j + h)
-            dw -= e_left * (v_j * Ma + Mb)
-            dK = _put(dK, rows, j, _row(dK, rows, j) + e_left * (v_j * La + Lb))
-            dV = _put(dV, rows, j, _row(dV, rows, j) + e_left * La)
-            # Rows past T only follow the last real one, so the left carries need no mask.
-            h, La, Lb, Ma, Mb = _push_grad(h, La, Lb, Ma, Mb, w, 1.0, _row(S_, rows, j), _row(Al, rows, j),
-                                           _row(Be, rows, j), 0.0, 0.0)
+    right = _load_bwd_carries(bcarry_ptr, slot + 5 * field, col_ok, field)
+    dK, dV, du, dw = _bwd_tile(K, V, S_, Al, Be, rows, w, u, *right, bcarry_ptr + slot, col_ok, field, t0, T, BLOCK_T,
+                               dk_ptr, dv_ptr, C, col_ok, False)
 
     tl.store(dk_ptr + offs, dK.to(dk_ptr.dtype.element_ty), mask=mask)
     tl.store(dv_ptr + offs, dV.to(dv_ptr.dtype.element_ty), mask=mask)
@@ -312,7 +258,9 @@ def _combine(w: torch.Tensor, agg: torch.Tensor, L: int) -> torch.Tensor:
 
 def forward(w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """y (B, T, C) in k's dtype and the chunk carries (6, B, n, C) the backward needs; w, u fp32 (C,);
-    k, v contiguous of one dtype."""
+    k, v contiguous of one dtype. TREAD_WKV_KERNEL=fused: one launch (backbones/ops/wkv_triton_fused.py)."""
+    if wkv_kernel() == "fused":
+        return wkv_triton_fused.forward(w, u, k, v, chunk_len(k.shape[1]))
     B, T, C, L, n, grid = _launch_shape(k)
     key = (T, C, k.dtype, k.device)  # the autotuner's key: T, C and the tensors' dtypes (w, u, scratch are fp32)
     agg = torch.empty(6, B, n, C, device=k.device, dtype=torch.float32)
@@ -324,7 +272,10 @@ def forward(w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
 
 
 def backward(w, u, k, v, carries, grad_y) -> tuple[torch.Tensor, ...]:
-    """(du, dw) as one fp32 (2, C) tensor, dk, dv (k's dtype), from the forward's inputs and chunk carries."""
+    """(du, dw) as one fp32 (2, C) tensor, dk, dv (k's dtype), from the forward's inputs and chunk carries (either
+    kernel's). TREAD_WKV_KERNEL=fused: one launch."""
+    if wkv_kernel() == "fused":
+        return wkv_triton_fused.backward(w, u, k, v, carries, grad_y, chunk_len(k.shape[1]))
     B, T, C, L, n, grid = _launch_shape(k)
     grad_y = grad_y.contiguous()
     key = (T, C, k.dtype, grad_y.dtype, k.device)

@@ -13,6 +13,12 @@ import triton.language as tl
 
 # Log-scale of an empty carry: finite, so that differences of scales never give inf - inf.
 _NEG = tl.constexpr(-1.0e30)
+# Integer arguments the JIT must not specialise. At launch Triton marks every integer divisible by 16 (C = 384,
+# T = 256, ...) as such, which lets it vectorise the (16, BLOCK_C) loads along channels (8 bf16 or 4 fp32 per
+# thread): a chunk's 16 rows then spread over 8 or 4 lanes and every row pick becomes shuffles and barriers (sm_90,
+# bf16 `_bwd_kernel`: 3,648 shuffles and 241 barriers at B64 T256 C384, against 0 and 0 with these left as plain
+# integers; `train.bench.kernel_compile` builds the kernels as launched). They only feed masks and addresses.
+_SHAPE_ARGS = ["B", "T", "C", "n_chunks"]
 # Every walk over a chunk's 16 rows is written as _PARTS = 8 unrolled copies of a 2-step loop, not as 16 unrolled
 # steps. Why: Triton's Coalesce pass costs about (memory ops) x (ops)^2 on a kernel whose ops all connect, and with 16
 # unrolled steps the backward took 15 s per autotune config to compile, 12 s of it in that pass
@@ -204,3 +210,79 @@ def _alpha_beta(gy_ptr, offs, mask, Y, Pt, Dt):
     # Padding rows' y is inf / inf = nan once u >= 88 (their k is _NEG, so their scale is e^u): masked, not
     # multiplied by zero.
     return tl.where(mask, -Pt, _NEG), Al, tl.where(mask, -Y * Al, 0.0)
+
+
+@triton.jit
+def _bwd_tile(K, V, S_, Al, Be, rows, w, u, h, Ra, Rb, Sa, Sb, left_ptr, left_ok, field, t0, T,
+              BLOCK_T: tl.constexpr, dk_ptr, dv_ptr, C, col_ok, STORE_ROWS: tl.constexpr):
+    """One chunk's dk, dv tiles and its du, dw sums from its rows, [alpha, beta] (scale S_, mantissas Al, Be) and
+    the backward carries entering it: e^h [Ra, Rb], e^h [Sa, Sb] (R, R') from the right, and from the left e^hL [La,
+    Lb], e^hL [Ma, Mb] (L, L'), five fields at left_ptr (per column, masked by left_ok), loaded between the walks so
+    that they take no registers during the first (backbones/ops/wkv_triton.py, "Backward").
+    STORE_ROWS: each row of dk, dv is stored where the second walk completes it, at dk_ptr + row C + column (the
+    pointers per column; rows past T and columns outside col_ok masked), so no tile of
+    offsets and predicates is held through the walks (wkv_triton_fused); the tiles returned are then partial."""
+    # Bonus term and everything from the right. Padding rows have k = _NEG: their e^k terms vanish.
+    du = tl.zeros([K.shape[1]], tl.float32)
+    dw = tl.zeros([K.shape[1]], tl.float32)
+    dK = tl.zeros_like(K)
+    dV = tl.zeros_like(K)
+    for part in tl.static_range(_PARTS):
+        for step in range(BLOCK_T // _PARTS):
+            jj = part * (BLOCK_T // _PARTS) + step
+            j = BLOCK_T - 1 - jj  # rows walked right to left
+            k_j = _row(K, rows, j)
+            v_j = _row(V, rows, j)
+            s_j = _row(S_, rows, j)
+            a_j = _row(Al, rows, j)
+            b_j = _row(Be, rows, j)
+            # e^{u + k_j} [alpha_j, beta_j]: the attention weight of token j on itself times g_j.
+            e_self = tl.exp((k_j + s_j) + u)
+            # e^{k_j} times the right carries: weights K(t, j) e^{k_j} / D_t <= 1, never overflows.
+            e_right = tl.exp(k_j + h)
+            dk_self = e_self * (v_j * a_j + b_j)
+            du += dk_self
+            dw -= e_right * (v_j * Sa + Sb)
+            dK = _put(dK, rows, j, dk_self + e_right * (v_j * Ra + Rb))
+            dV = _put(dV, rows, j, e_self * a_j + e_right * Ra)
+            valid = t0 + j < T
+            h2, Ra2, Rb2, Sa2, Sb2 = _push_grad(h, Ra, Rb, Sa, Sb, w, 1.0, s_j, a_j, b_j, 0.0, 0.0)
+            h = tl.where(valid, h2, h)
+            Ra = tl.where(valid, Ra2, Ra)
+            Rb = tl.where(valid, Rb2, Rb)
+            Sa = tl.where(valid, Sa2, Sa)
+            Sb = tl.where(valid, Sb2, Sb)
+
+    # Everything from the left, from the carries entering the chunk.
+    hL, La, Lb, Ma, Mb = _load_bwd_carries(left_ptr, 0, left_ok, field)
+    for part in tl.static_range(_PARTS):
+        for step in range(BLOCK_T // _PARTS):
+            j = part * (BLOCK_T // _PARTS) + step
+            k_j = _row(K, rows, j)
+            v_j = _row(V, rows, j)
+            e_left = tl.exp(k_j + hL)
+            dw -= e_left * (v_j * Ma + Mb)
+            dk_j = _row(dK, rows, j) + e_left * (v_j * La + Lb)
+            dv_j = _row(dV, rows, j) + e_left * La
+            if STORE_ROWS:
+                row_ok = (t0 + j < T) & col_ok
+                tl.store(dk_ptr + j * C, dk_j.to(dk_ptr.dtype.element_ty), mask=row_ok)
+                tl.store(dv_ptr + j * C, dv_j.to(dv_ptr.dtype.element_ty), mask=row_ok)
+            else:
+                dK = _put(dK, rows, j, dk_j)
+                dV = _put(dV, rows, j, dv_j)
+            # Rows past T only follow the last real one, so the left carries need no mask.
+            hL, La, Lb, Ma, Mb = _push_grad(hL, La, Lb, Ma, Mb, w, 1.0, _row(S_, rows, j), _row(Al, rows, j),
+                                            _row(Be, rows, j), 0.0, 0.0)
+    return dK, dV, du, dw
+
+
+@triton.jit
+def _load_bwd_carries(carry_ptr, slot, col_ok, field):
+    """One side's backward carry [scale, R_a, R_b, R'_a, R'_b] from five fields of a chunk scratch."""
+    h = tl.load(carry_ptr + slot, mask=col_ok, other=_NEG)
+    Ra = tl.load(carry_ptr + slot + field, mask=col_ok, other=0.0)
+    Rb = tl.load(carry_ptr + slot + 2 * field, mask=col_ok, other=0.0)
+    Sa = tl.load(carry_ptr + slot + 3 * field, mask=col_ok, other=0.0)
+    Sb = tl.load(carry_ptr + slot + 4 * field, mask=col_ok, other=0.0)
+    return h, Ra, Rb, Sa, Sb

@@ -86,7 +86,7 @@ class Case:
 
     @property
     def config(self) -> str:
-        tuned = {k: v for k, v in self.constexprs.items() if (k.startswith("BLOCK_") and k not in ("BLOCK_N", "BLOCK_T")) or k == "CPP"}
+        tuned = {k: v for k, v in self.constexprs.items() if (k.startswith("BLOCK_") and k not in ("BLOCK_N", "BLOCK_T")) or k in ("CPP", "CHUNKS")}
         budget = f" r{self.options['maxnreg']}" if self.options.get("maxnreg") else ""
         return (",".join(f"{k}={v}" for k, v in tuned.items()) + f" w{self.options['num_warps']} s{self.options['num_stages']}"
                 + budget)
@@ -121,6 +121,7 @@ def cases(dtypes: list[str], flag_sets: dict[str, dict], kernels: str = "", leng
 
     from backbones.ops import selective_scan_triton as scan
     from backbones.ops import wkv_triton as wkv
+    from backbones.ops import wkv_triton_fused as wkv_fused
 
     d, g, N = (SCAN_SHAPE[k] for k in ("d", "g", "N"))
     wkv_ints = dict(WKV_SHAPE, n_chunks=triton.cdiv(WKV_SHAPE["T"], wkv.chunk_len(WKV_SHAPE["T"])))
@@ -146,7 +147,9 @@ def cases(dtypes: list[str], flag_sets: dict[str, dict], kernels: str = "", leng
                 found.append(Case("scan.bwd", scan.bwd_kernel.fn, variant, constexprs, options, dtype, ints,
                                   loops + walk, programs, b * d * L * N))
         for kname, autotuner in (("wkv.fwd_sums", wkv._fwd_sums_kernel), ("wkv.fwd", wkv._fwd_kernel),
-                                 ("wkv.bwd_sums", wkv._bwd_sums_kernel), ("wkv.bwd", wkv._bwd_kernel)):
+                                 ("wkv.bwd_sums", wkv._bwd_sums_kernel), ("wkv.bwd", wkv._bwd_kernel),
+                                 ("wkv.fused_fwd", wkv_fused._fused_fwd_kernel),  # TREAD_WKV_KERNEL=fused
+                                 ("wkv.fused_bwd", wkv_fused._fused_bwd_kernel)):
             for constexprs, options in _tuned(autotuner, dict(BLOCK_T=16)):
                 found.append(Case(kname, autotuner.fn, dtype, constexprs, options, dtype, wkv_ints))
         if dtype == dtypes[0]:  # the combine walk reads only fp32 scratch, at the one launch config wkv uses

@@ -1,4 +1,5 @@
-"""Benchmark of Bi-WKV: the fused Triton kernels (CUDA) vs the chunked O(B T C) op vs the O(T^2) reference.
+"""Benchmark of Bi-WKV: the Triton kernels (CUDA; three launches per pass, and one, TREAD_WKV_KERNEL=fused) vs the
+chunked O(B T C) op vs the O(T^2) reference.
 
     python -m train.bench.wkv                                          # CPU: chunked vs reference, B=8
     python -m train.bench.wkv --device cuda --B 64 --repeats 20        # adds the Triton kernels and the roofline
@@ -7,7 +8,8 @@
 
 First, without timing anything, the bytes the Triton kernels move and the programs they launch at the reference
 shape (B64 T256 C384 bf16, issue 36) and at the shape asked for (backbones.ops.wkv_triton.traffic: every launch,
-each tensor it reads or writes counted once). Then it times forward and forward+backward of every method on the
+each tensor it reads or writes counted once; wkv_triton_fused.traffic for the one-launch kernels). Then it times
+forward and forward+backward of every method on the
 same inputs (decays spread over w T in [-5, 3], the Vision-RWKV init range, keys ~ N(0, 1)) and prints the median
 of --repeats interleaved runs after warm-up, the speed ratios measured in this one run, the largest difference to
 the reference, and beside each Triton time its bytes, programs and, on a card of known bandwidth, the achieved
@@ -22,6 +24,7 @@ by far at the reference shape); otherwise one line says it was skipped.
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -39,11 +42,18 @@ def ideal_bytes(B: int, T: int, C: int, element: int) -> tuple[int, int]:
     return forward, forward + 5 * n * element + 4 * C * 4  # read k, v, dy; write dk, dv; read w, u; write dw, du
 
 
-def kernel_traffic(B: int, T: int, C: int, element: int) -> dict[str, tuple[int, int]]:
-    """{"fwd": (bytes, programs), "fwd+bwd": ...} of the Triton kernels, all launches of each pass added up."""
-    from backbones.ops.wkv_triton import traffic  # imports triton
+def _traffic(B: int, T: int, C: int, element: int, fused: bool = False) -> dict[str, list[tuple[str, int, int]]]:
+    from backbones.ops import wkv_triton, wkv_triton_fused  # imports triton
 
-    launches = traffic(B, T, C, element)
+    if fused:
+        return wkv_triton_fused.traffic(B, T, C, element, wkv_triton.chunk_len(T))
+    return wkv_triton.traffic(B, T, C, element)
+
+
+def kernel_traffic(B: int, T: int, C: int, element: int, fused: bool = False) -> dict[str, tuple[int, int]]:
+    """{"fwd": (bytes, programs), "fwd+bwd": ...} of the Triton kernels, all launches of each pass added up; fused:
+    the one-launch kernels."""
+    launches = _traffic(B, T, C, element, fused)
     fwd = launches["forward"]
     both = fwd + launches["backward"]
     return {"fwd": (sum(b for _, b, _ in fwd), sum(p for _, _, p in fwd)),
@@ -51,16 +61,17 @@ def kernel_traffic(B: int, T: int, C: int, element: int) -> dict[str, tuple[int,
 
 
 def print_counts(B: int, T: int, C: int, element: int, dtype: str) -> None:
-    """Bytes and programs of every launch at one shape, and the ideal (each input and output touched once)."""
-    from backbones.ops.wkv_triton import traffic
-
-    print(f"Triton Bi-WKV at B{B} T{T} C{C} {dtype} (32 channels per program; the autotuner may pick more):")
-    for direction, launches in traffic(B, T, C, element).items():
-        for name, nbytes, programs in launches:
-            print(f"  {direction:8s} {name:12s} {roofline(nbytes, programs)}")
-    for label, (nbytes, programs) in kernel_traffic(B, T, C, element).items():
-        at = ", ".join(f"{nbytes / CARD_BANDWIDTH[card] * 1e3:.3f} ms on an {card}" for card in ("H100", "H200"))
-        print(f"  {label:21s} {roofline(nbytes, programs)}; at peak bandwidth {at}")
+    """Bytes and programs of every launch at one shape, both kernels, and the ideal (each input and output touched
+    once)."""
+    for fused, title in ((False, "three launches per pass"), (True, "one launch per pass, TREAD_WKV_KERNEL=fused")):
+        print(f"Triton Bi-WKV at B{B} T{T} C{C} {dtype}, {title} (32 channels per program; the autotuner may pick "
+              f"more for three):")
+        for direction, launches in _traffic(B, T, C, element, fused).items():
+            for name, nbytes, programs in launches:
+                print(f"  {direction:8s} {name:12s} {roofline(nbytes, programs)}")
+        for label, (nbytes, programs) in kernel_traffic(B, T, C, element, fused).items():
+            at = ", ".join(f"{nbytes / CARD_BANDWIDTH[card] * 1e3:.3f} ms on an {card}" for card in ("H100", "H200"))
+            print(f"  {label:21s} {roofline(nbytes, programs)}; at peak bandwidth {at}")
     fwd_ideal, both_ideal = ideal_bytes(B, T, C, element)
     print(f"  ideal (each tensor once): fwd {fwd_ideal / 1e6:.1f} MB, fwd+bwd {both_ideal / 1e6:.1f} MB")
 
@@ -169,7 +180,14 @@ def main(argv: list[str] | None = None) -> None:
     v = torch.randn(B, T, C, device=device, dtype=dtype, requires_grad=True)
     methods = {"bi_wkv (chunked)": lambda: bi_wkv(w, u, k, v, chunk_len=args.chunk_len, backend="torch")}
     if device.type == "cuda":
-        methods = {"bi_wkv (Triton)": lambda: bi_wkv(w, u, k, v, backend="triton"), **methods}
+        # The switch is read at every call: each method sets it (an environment write, a microsecond, on both).
+        def triton(kernel: str):
+            def call():
+                os.environ["TREAD_WKV_KERNEL"] = kernel
+                return bi_wkv(w, u, k, v, backend="triton")
+            return call
+
+        methods = {"bi_wkv (Triton)": triton("chunked"), "bi_wkv (Triton, fused)": triton("fused"), **methods}
     if B * T * T * C <= args.reference_limit:
         methods["bi_wkv_reference"] = lambda: bi_wkv_reference(w, u, k.float(), v.float())
     else:
@@ -191,15 +209,15 @@ def main(argv: list[str] | None = None) -> None:
         calls[(name, "fwd+bwd")] = lambda fn=fn: fn().float().sum().backward()
     ms = {key: s * 1e3 for key, s in interleaved_medians(calls, args.repeats, warmup=3, device=device).items()}
     behind = device_times(calls, args.repeats, device)  # back-to-back, no sync between calls
-    counts = kernel_traffic(B, T, C, element) if device.type == "cuda" else {}
     for name in methods:
         line = f"{name:18s} fwd {ms[name, 'fwd']:8.3f} ms   fwd+bwd {ms[name, 'fwd+bwd']:8.3f} ms   (median of {args.repeats})"
         print(line)
         for label in ("fwd", "fwd+bwd"):
             print(f"  {label:8s} {device_columns(ms[name, label] / 1e3, behind[name, label])}")
-        if name == "bi_wkv (Triton)":
+        if name.startswith("bi_wkv (Triton"):
+            traffic = kernel_traffic(B, T, C, element, fused="fused" in name)
             for label in ("fwd", "fwd+bwd"):
-                print(f"  {label:8s} {roofline(*counts[label], ms[name, label] / 1e3, device)}")
+                print(f"  {label:8s} {roofline(*traffic[label], ms[name, label] / 1e3, device)}")
     fastest = next(iter(methods))
     for name in list(methods)[1:]:
         print(f"speed ratio {name} / {fastest}: fwd x{ms[name, 'fwd'] / ms[fastest, 'fwd']:.1f}, "

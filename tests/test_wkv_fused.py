@@ -1,0 +1,143 @@
+"""The one-launch Bi-WKV kernels (TREAD_WKV_KERNEL=fused, backbones/ops/wkv_triton_fused.py) against the float64
+O(T^2) definition and the 3-launch kernels.
+
+Under Triton's interpreter (no GPU) a segment is 2 chunks (32 tokens), so T = 33 already walks two segments (the
+second with a partial chunk and a chunk of padding) with running carries in both directions; the interpreter runs a
+program's numpy ops one by one, so shapes stay small and T = 300 (10 segments), two channel blocks across
+segments and keys of +-80 are `-m slow`. Tolerances as in
+tests/test_wkv_triton.py: y relative to the weighted average of |v| <= 1e-5, gradients relative to their largest
+float64 entry <= 1e-5 (dw 3e-5), plus 1e-6 absolute for gradients that are exactly zero.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backbones.ops.selective_scan_env import check_scan_environment
+from backbones.ops.wkv_env import wkv_kernel
+from routing import ConfigError
+from test_wkv_triton import _check_against_float64, _inputs, _value_and_grads
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    monkeypatch.setenv("TREAD_WKV_KERNEL", "fused")
+
+
+@pytest.mark.parametrize(
+    "B, T, C",
+    [
+        (1, 1, 4),  # one token: y = v exactly, dk = du = 0
+        (1, 17, 20),  # one segment, its second chunk one token; one partial channel block
+        (1, 33, 4),  # two segments both ways, the second with a one-token chunk and a chunk of padding
+        # and two channel blocks, the second partial (C not a multiple of 16)
+        pytest.param(1, 33, 40, marks=pytest.mark.slow),
+    ],
+)
+def test_matches_float64_definition_and_chunked_kernels(B, T, C, device, fused, monkeypatch):
+    inputs, grad_y = _inputs(B, T, C, decay_T=8.0, key_max=20.0)
+    y, grads = _check_against_float64(inputs, grad_y, device)
+    monkeypatch.setenv("TREAD_WKV_KERNEL", "chunked")
+    y3, g3 = _value_and_grads(inputs, grad_y, "triton", device)
+    torch.testing.assert_close(y, y3, atol=1e-6, rtol=1e-5)
+    for name, a, b in zip("wukv", grads, g3):
+        assert (a - b).abs().max().item() <= 1e-5 * b.abs().max().item() + 1e-6, name
+
+
+@pytest.mark.slow
+def test_long_sequence_many_segments(device, fused):
+    _check_against_float64(*_inputs(2, 300, 36, decay_T=8.0, key_max=20.0, seed=4), device)
+
+
+def _fused_and_chunked(inputs, grad_y, device, monkeypatch):
+    monkeypatch.setenv("TREAD_WKV_KERNEL", "fused")
+    fused = _value_and_grads(inputs, grad_y, "triton", device)
+    monkeypatch.setenv("TREAD_WKV_KERNEL", "chunked")
+    return fused, _value_and_grads(inputs, grad_y, "triton", device)
+
+
+@pytest.mark.parametrize("decay_T, key_max", [(400.0, 20.0), pytest.param(40.0, 80.0, marks=pytest.mark.slow)])
+def test_extreme_decays_and_keys_across_segments(decay_T, key_max, device, monkeypatch):
+    """|w| = 10 per token both ways (carries moved by e^{+-320} per segment), or keys up to +-80 (e^80 is near fp32's
+    limit): the scan's moves equal the 3-launch kernels' chunk-by-chunk walk. At keys +-80 both kernels' dw is 7e-5
+    from float64 on these inputs (the chunked op's 1e-5: a sum with cancellation), so float64 decides the first."""
+    inputs, grad_y = _inputs(1, 40, 4, decay_T=decay_T, key_max=key_max, seed=1)
+    (y, grads), (y3, g3) = _fused_and_chunked(inputs, grad_y, device, monkeypatch)
+    torch.testing.assert_close(y, y3, atol=1e-6, rtol=1e-5)
+    for name, a, b in zip("wukv", grads, g3):
+        assert (a - b).abs().max().item() <= 1e-5 * b.abs().max().item() + 1e-6, name
+    if key_max < 80:
+        monkeypatch.setenv("TREAD_WKV_KERNEL", "fused")
+        _check_against_float64(inputs, grad_y, device)
+
+
+def test_bf16_in_bf16_out(device, fused):
+    inputs, grad_y = _inputs(1, 20, 8, decay_T=8.0, key_max=5.0)
+    inputs = [t.bfloat16() for t in inputs]
+    y, grads = _value_and_grads(inputs, grad_y.bfloat16(), "triton", device)
+    assert y.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads[2:])
+    # Only inputs and outputs are rounded: fp32 on the same rounded inputs up to bf16's output rounding (2^-8
+    # relative; the interpreter truncates rather than rounds, so up to 2^-7), with margin.
+    y32, g32 = _value_and_grads([t.float() for t in inputs], grad_y.bfloat16().float(), "torch", "cpu")
+    torch.testing.assert_close(y.float(), y32, atol=1e-2, rtol=1e-2)
+    for name, a, b in zip("wukv", grads, g32):
+        assert (a.float() - b).abs().max().item() <= 1e-2 * b.abs().max().item(), name
+
+
+def test_either_backward_takes_either_forward_state(device, monkeypatch):
+    """The fused forward saves the 3-launch forward's chunk carries (6, B, n, C), so the switch changes no state."""
+    from backbones.ops import wkv_triton, wkv_triton_fused
+
+    inputs, grad_y = _inputs(1, 33, 4, decay_T=8.0, key_max=20.0, seed=5)
+    w, u, k, v = (t.to(device) for t in inputs)
+    grad_y = grad_y.to(device)
+    monkeypatch.setenv("TREAD_WKV_KERNEL", "chunked")
+    y3, state3 = wkv_triton.forward(w, u, k, v)
+    y1, state1 = wkv_triton_fused.forward(w, u, k, v, wkv_triton.chunk_len(33))
+    torch.testing.assert_close(y1, y3, atol=1e-6, rtol=1e-5)
+    # Scales are integers (equal or, at a rounding tie, one apart with the mantissas rescaled): compare values.
+    for side in (0, 3):
+        for field in (1, 2):
+            a = state1[side + field] * torch.exp(state1[side])
+            b = state3[side + field] * torch.exp(state3[side])
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    grads3 = wkv_triton.backward(w, u, k, v, state1, grad_y)  # the 3-launch backward from the fused state
+    grads1 = wkv_triton_fused.backward(w, u, k, v, state3, grad_y, wkv_triton.chunk_len(33))
+    for a, b in zip(grads1, grads3):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_switch_is_checked_in_one_sentence(monkeypatch):
+    monkeypatch.delenv("TREAD_WKV_KERNEL", raising=False)
+    assert wkv_kernel() == "chunked"
+    monkeypatch.setenv("TREAD_WKV_KERNEL", "Fused")
+    with pytest.raises(ConfigError, match=r"^TREAD_WKV_KERNEL='Fused' is not a Bi-WKV kernel \(names are lower case: "
+                                          r"fused\); use chunked or fused"):
+        check_scan_environment(cuda=True)
+    monkeypatch.setenv("TREAD_WKV_KERNEL", "fused")
+    assert check_scan_environment(cuda=True) == []
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert check_scan_environment(cuda=False) == [
+        "note: TREAD_WKV_KERNEL=fused does nothing here: it picks the Triton Bi-WKV kernels, and without a CUDA GPU "
+        "Bi-WKV runs the PyTorch op."]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [256, 4096])
+def test_cuda_fused_matches_chunked_kernels(T, monkeypatch):
+    inputs, grad_y = _inputs(4, T, 96, decay_T=8.0, key_max=20.0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        cast = [t.to(dtype) if t.dim() == 3 else t for t in inputs]
+        monkeypatch.setenv("TREAD_WKV_KERNEL", "chunked")
+        y3, g3 = _value_and_grads(cast, grad_y.to(dtype), "triton", "cuda")
+        monkeypatch.setenv("TREAD_WKV_KERNEL", "fused")
+        y1, g1 = _value_and_grads(cast, grad_y.to(dtype), "triton", "cuda")
+        torch.testing.assert_close(y1.float(), y3.float(), atol=tol, rtol=tol)
+        for name, a, b in zip("wukv", g1, g3):
+            assert (a.float() - b.float()).abs().max().item() <= tol * b.float().abs().max().item(), name
