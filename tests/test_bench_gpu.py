@@ -84,7 +84,9 @@ def test_dry_run_writes_every_section(tmp_path, capsys):
     assert kernels == {("selective scan (Triton)", p) for p in ("fp32", "bf16", "fp32, decay -1e5")} | {("Bi-WKV (Triton)", p) for p in ("fp32", "bf16")}
     # Every kernel row names the config each autotuned kernel it ran picked (the interpreter has one config each).
     tuned = {r["kernel"]: r["tuned"] for s in saved["sections"] if s["name"] == "kernel-speed" for r in s["records"]}
-    assert set(tuned) == {"selective scan", "Bi-WKV"}  # the 64-step chunks are kernel-speed-chunk64's, opt-in
+    # The 64-step chunks are kernel-speed-chunk64's, opt-in; Bi-WKV in one launch is timed beside the default.
+    assert set(tuned) == {"selective scan", "Bi-WKV", "Bi-WKV, one launch (TREAD_WKV_KERNEL=fused)"}
+    assert set(tuned["Bi-WKV, one launch (TREAD_WKV_KERNEL=fused)"]) == {"_fused_fwd_kernel", "_fused_bwd_kernel"}
     assert set(tuned["selective scan"]) == {"fwd_kernel", "bwd_kernel"} and len(tuned["Bi-WKV"]) >= 2
     assert all(t["picked"].startswith("BLOCK_") and t["ms"] == {} for k in tuned.values() for t in k.values())
     assert "fwd_kernel: BLOCK_D=" in md

@@ -154,9 +154,10 @@ def kernel_rows(device: torch.device, scan_shape: tuple[int, ...], wkv_shape: tu
     forward+backward. A last row times the scan in bf16 with 64-step chunks (TREAD_SCAN_CHUNK=64, the 1-2 warp
     configs) beside the default 256; the goal is decided by the default's row. Each row times `rounds` rounds and
     keeps them (the goal is decided on their range); `precisions`, `defaults` (the rows at the default chunk) and
-    `short_chunks` choose the rows (the fp32 ones and the 64-step one decide no goal). `cuda_scan` times the scan's CUDA backend (TREAD_SCAN_BACKEND=cuda, compiled by load_inline on its
+    `short_chunks` choose the rows (the fp32 ones, the 64-step one and Bi-WKV in one launch, TREAD_WKV_KERNEL=fused,
+    after the bf16 rows, decide no goal). `cuda_scan` times the scan's CUDA backend (TREAD_SCAN_BACKEND=cuda, compiled by load_inline on its
     first call, minutes) in place of the other rows: opt-in until a GPU has timed it, so it decides no goal yet."""
-    from backbones.ops import selective_scan_triton, wkv_triton
+    from backbones.ops import selective_scan_triton, wkv_triton, wkv_triton_fused
     from backbones.ops.cuda_kernels import scan_fn
     from backbones.ops.wkv import bi_wkv
 
@@ -171,11 +172,13 @@ def kernel_rows(device: torch.device, scan_shape: tuple[int, ...], wkv_shape: tu
                            scan_ideal_bytes(b, d, length, n, _bytes(precision)), repeats, warmup, device, rounds, primary)
         return {**row, "tuned": tuned_configs(selective_scan_triton) if primary == "triton" else {}}
 
-    def wkv(precision: str) -> dict:
-        row = _time_kernel("Bi-WKV", precision, f"B{B} T{T} C{C}", wkv_inputs(B, T, C, device, precision),
-                           0.4 if precision == "bf16" else None, lambda backend, **kw: bi_wkv(**kw, backend=backend),
+    def wkv(precision: str, name: str = "Bi-WKV") -> dict:
+        fused = name != "Bi-WKV"  # the one-launch kernels (TREAD_WKV_KERNEL=fused): no goal rests on them yet
+        row = _time_kernel(name, precision, f"B{B} T{T} C{C}", wkv_inputs(B, T, C, device, precision),
+                           0.4 if precision == "bf16" and not fused else None,
+                           lambda backend, **kw: bi_wkv(**kw, backend=backend),
                            wkv_ideal_bytes(B, T, C, _bytes(precision)), repeats, warmup, device, rounds)
-        return {**row, "tuned": tuned_configs(wkv_triton)}
+        return {**row, "tuned": tuned_configs(wkv_triton_fused if fused else wkv_triton)}
 
     b, d, length, n = scan_shape
     B, T, C = wkv_shape
@@ -189,6 +192,12 @@ def kernel_rows(device: torch.device, scan_shape: tuple[int, ...], wkv_shape: tu
         yield guarded({"kernel": "selective scan", "precision": precision, "shape": f"b{b} d{d} L{length} N{n}"},
                       lambda: scan(precision))
         yield guarded({"kernel": "Bi-WKV", "precision": precision, "shape": f"B{B} T{T} C{C}"}, lambda: wkv(precision))
+    # Bi-WKV in one launch per pass beside the 3-launch default, last (its compile of two kernels, seconds each):
+    # not yet timed on a GPU, so it decides no goal (docs/rwkv.md, "One launch per pass").
+    fused = "Bi-WKV, one launch (TREAD_WKV_KERNEL=fused)"
+    if defaults and "bf16" in precisions:
+        with mock.patch.dict(os.environ, {"TREAD_WKV_KERNEL": "fused"}):
+            yield guarded({"kernel": fused, "precision": "bf16", "shape": f"B{B} T{T} C{C}"}, lambda: wkv("bf16", fused))
     short = "selective scan, 64-step chunks"
     if not short_chunks:
         return
