@@ -1,7 +1,7 @@
 """The whole GPU check in one command: every goal of docs/performance.md, each decided on repeated rounds.
 
     python -m train.bench.gpu --out docs/gpu/h100-2026-11-27              # the default set: every goal but the scan families' steps (~450 s)
-    python -m train.bench.gpu --out ... --sections dit-S mamba-S rwkv-S    # the second call: the scan families' steps (~300 s)
+    python -m train.bench.gpu --out ... --sections dit-S mamba-S rwkv-S    # the second call: the scan families' steps (~280 s)
     python -m train.bench.gpu --sections families attention kernels --out runs/gpu    # correctness only
     python -m train.bench.gpu --dry-run --out runs/gpu-dry                            # the default set at tiny shapes on the CPU
 
@@ -179,10 +179,17 @@ def official(s: Settings) -> dict:
 # and no regions. Regions are not measured on a GPU yet, so their saving is a CPU proxy: the compile time with
 # --compile-regions over the plain whole-model compile, train.bench.routing's first steps less their stepping, on the
 # 2-core development CPU (inductor's C++ backend; docs/routing.md, "Compiling the routed step"), applied to the H100's
-# compile times. The GPU compiles through Triton and the scan families' kernels are opaque there, so these are guesses
-# grounded in those numbers, to be corrected from report.json after a run.
+# compile times. The GPU's Inductor writes Triton, not C++, and there the scan families' first steps also autotune their
+# Triton kernels, which regions do not shorten: so these are guesses grounded in those numbers, to be corrected from
+# report.json after a run.
 REGIONS_XL = 66 / 142  # DiT-XL/2 (28 blocks): 90 s with regions, 166 s without, each less ~24 s of stepping
-REGIONS_B = 52 / 72  # DiT-B/2 (12 blocks): 59 s and 79 s, less ~7 s; the S rows' 12 blocks take this ratio too
+REGIONS_B = 52 / 72  # DiT-B/2 (12 blocks): 59 s and 79 s, less ~7 s
+# The S rows, 2026-11-27 on a loaded CPU, so the whole process's CPU time (compile workers included), one run each
+# (docs/reports/2026-11-27-gpu-check-budget.md): DiT-S/2 92.6 s with regions against 127.9 s, RWKV-S/2 118.2 against
+# 200.5, Mamba-S/2 143.6 against 197.3 (their scans custom ops there too, as on the GPU).
+REGIONS_S = 92.6 / 127.9
+REGIONS_RWKV = 118.2 / 200.5
+REGIONS_MAMBA = 143.6 / 197.3
 
 
 def compiled(s: Settings, compile_s: float, ratio: float, rest_s: float) -> float:
@@ -199,7 +206,7 @@ def sections(s: Settings) -> list[Section]:
     The default set (no --sections) is the correctness checks, the DiT goals, the trainer and the scan kernels' goals:
     about 450 s with regions (the check's default), so the default budget of 480 s runs all of it; with --tread the
     side-by-side takes dit-XL-tread's place and about 50 s more. The scan families' steps (dit-S, mamba-S, rwkv-S:
-    about 300 s) do not fit beside them: they are the second call (SECOND_CALL), and the report names it. The rest is
+    about 280 s) do not fit beside them: they are the second call (SECOND_CALL), and the report names it. The rest is
     opt-in (OPT_IN): no goal rests on them alone."""
     # h100-2026-11-26c: 214 s, of it our two whole-model graphs 158 s and the official blocks' compile 31.6 s; three
     # rounds of its four steps add about 9 s (4 x 2 x 10 steps of ~110 ms).
@@ -236,10 +243,11 @@ def sections(s: Settings) -> list[Section]:
         # The second call: the scan families and their MFU reference. h100-2026-11-26b: dit-S 58 s (57 s first steps),
         # mamba-S 134 s (124 s), rwkv-S 202 s (159 s; most of the rest Bi-WKV's autotuning in the eager FLOP count).
         # Their first steps also hold the scans' Triton autotuning, which regions do not shorten: the ratio may flatter them.
-        Section("dit-S", "DiT-S/2, TREAD, batch 64 (the scan families' MFU reference)", "steps", compiled(s, 57, REGIONS_B, 1),
+        Section("dit-S", "DiT-S/2, TREAD, batch 64 (the scan families' MFU reference)", "steps", compiled(s, 57, REGIONS_S, 1),
                 partial(step, s, "dit", "S", "random", 64)),
-        Section("mamba-S", "Mamba-S/2, rows, batch 64", "steps", compiled(s, 124, REGIONS_B, 10), partial(step, s, "mamba", "S", "rows", 64)),
-        Section("rwkv-S", "RWKV-S/2, rows, batch 64", "steps", compiled(s, 159, REGIONS_B, 43), partial(step, s, "rwkv", "S", "rows", 64)),
+        Section("mamba-S", "Mamba-S/2, rows, batch 64", "steps", compiled(s, 124, REGIONS_MAMBA, 10),
+                partial(step, s, "mamba", "S", "rows", 64)),
+        Section("rwkv-S", "RWKV-S/2, rows, batch 64", "steps", compiled(s, 159, REGIONS_RWKV, 43), partial(step, s, "rwkv", "S", "rows", 64)),
         # Opt-in (--sections): no goal rests on them alone.
         *(xl_tread if official_row else []),
         # DiT-XL/2 TREAD compiled whole without regions: the compile of h100-2026-11-26c (158 s) and the MFU with fusion
