@@ -283,7 +283,7 @@ def trainer_row(preset: str, batch: int, size: int, steps: int, log_every: int, 
     from the log's wall time. In this process, not a fresh one, so the check pays no second start-up (imports, CUDA
     context) and its compiles share this process's Inductor caches; a user's process pays those before step 1, and
     no logged step after the first includes them."""
-    from train.bench.trainer_speed import compose_training
+    from train.cli import precompose
     from train.files.metrics_log import read_metrics
     from train.trainer import Trainer
 
@@ -296,7 +296,7 @@ def trainer_row(preset: str, batch: int, size: int, steps: int, log_every: int, 
                 f"run_dir={tmp}/run"]
         argv += ["trainer.cpu=true", "data.num_images=64"] if dry_run else []
         try:
-            cfg = compose_training(argv)
+            cfg = precompose("config", argv)  # checked as python -m train checks it: a bad value is one sentence, exit 2
         except SystemExit as stop:  # its refusal (one sentence, above) must not end the whole check
             raise RuntimeError(f"python -m train refused its arguments (exit {stop.code}): {' '.join(argv)}") from None
         Trainer(cfg).fit()
