@@ -162,6 +162,14 @@ def test_a_call_killed_mid_run_keeps_the_report_of_the_sections_before(tmp_path,
     assert "- attention: **not reached**" in md and "- dit-B-tread: **not reached**" in md
 
 
+def test_the_in_process_trainer_refusing_its_config_is_an_error_not_an_exit(capsys):
+    """The trainer runs in the check's process: its config refusal (one sentence and exit 2 from python -m train) must
+    become the section's error, not end the whole check."""
+    with pytest.raises(RuntimeError, match=r"python -m train refused its arguments \(exit 2\)"):
+        gpu_speed.trainer_row("XXL", 2, 8, 4, 2, False, "off", False, dry_run=True)
+    assert "backbone.preset" in capsys.readouterr().err
+
+
 def test_tuned_configs_name_the_pick_and_every_configs_time():
     import types
 
