@@ -110,7 +110,11 @@ def test_quiet_tokens_next_to_loud_ones(device):
 
 
 def test_bf16_in_bf16_out(device):
-    inputs, grad_y = _inputs(2, 7, 8, decay_T=8.0, key_max=5.0)
+    _check_bf16(2, 7, device)
+
+
+def _check_bf16(B: int, T: int, device):
+    inputs, grad_y = _inputs(B, T, 8, decay_T=8.0, key_max=5.0)
     inputs = [t.bfloat16() for t in inputs]
     y, grads = _value_and_grads(inputs, grad_y.bfloat16(), "triton", device)
     assert y.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads[2:])

@@ -224,6 +224,17 @@ def _store_grad_fields(ptr, slot, ok, field, x0, x1, x2, x3, x4):
     tl.store(ptr + slot + 4 * field, x4, mask=ok)
 
 
+@triton.jit
+def _program(w_ptr, u_ptr, B, T, C, n_chunks, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, CHUNKS: tl.constexpr):
+    """What every program starts from: a scratch field's size, its segments, each column's channel, w and u by column,
+    and the decay of a chunk W = 16 w as (CHUNKS, BLOCK_C)."""
+    cols = tl.arange(0, CHUNKS * BLOCK_C)
+    ch = tl.program_id(1) * BLOCK_C + cols % BLOCK_C
+    w = tl.load(w_ptr + ch, mask=ch < C, other=0.0)
+    u = tl.load(u_ptr + ch, mask=ch < C, other=0.0)
+    return B * n_chunks * C, tl.cdiv(T, CHUNKS * BLOCK_T), ch, w, u, _by_chunk(BLOCK_T * w, BLOCK_C, CHUNKS)
+
+
 @triton.autotune(configs=_configs(), key=["T", "C"])
 @triton.jit(do_not_specialize=_SHAPE_ARGS)
 def _fused_fwd_kernel(w_ptr, u_ptr, k_ptr, v_ptr, carry_ptr, agg_ptr, hand_ptr, y_ptr, B, T, C, n_chunks,
@@ -236,13 +247,7 @@ def _fused_fwd_kernel(w_ptr, u_ptr, k_ptr, v_ptr, carry_ptr, agg_ptr, hand_ptr, 
     k_ptr += seq
     v_ptr += seq
     y_ptr += seq
-    field = B * n_chunks * C
-    n_seg = tl.cdiv(T, CHUNKS * BLOCK_T)
-    cols = tl.arange(0, CHUNKS * BLOCK_C)
-    ch = tl.program_id(1) * BLOCK_C + cols % BLOCK_C
-    w = tl.load(w_ptr + ch, mask=ch < C, other=0.0)
-    u = tl.load(u_ptr + ch, mask=ch < C, other=0.0)
-    W = _by_chunk(BLOCK_T * w, BLOCK_C, CHUNKS)
+    field, n_seg, ch, w, u, W = _program(w_ptr, u_ptr, B, T, C, n_chunks, BLOCK_T, BLOCK_C, CHUNKS)
     right = carry_ptr + 3 * field
 
     # Right to left: each chunk's aggregates (the left ones kept for the second pass), the right carries by a scan.
@@ -303,13 +308,7 @@ def _fused_bwd_kernel(w_ptr, u_ptr, k_ptr, v_ptr, gy_ptr, fcarry_ptr, bcarry_ptr
     gy_ptr += seq
     dk_ptr += seq
     dv_ptr += seq
-    field = B * n_chunks * C
-    n_seg = tl.cdiv(T, CHUNKS * BLOCK_T)
-    cols = tl.arange(0, CHUNKS * BLOCK_C)
-    ch = tl.program_id(1) * BLOCK_C + cols % BLOCK_C
-    w = tl.load(w_ptr + ch, mask=ch < C, other=0.0)
-    u = tl.load(u_ptr + ch, mask=ch < C, other=0.0)
-    W = _by_chunk(BLOCK_T * w, BLOCK_C, CHUNKS)
+    field, n_seg, ch, w, u, W = _program(w_ptr, u_ptr, B, T, C, n_chunks, BLOCK_T, BLOCK_C, CHUNKS)
     aggs = bcarry_ptr + 5 * field
 
     # Right to left: each chunk's backward aggregates (the left ones kept), the right carries by a scan.
