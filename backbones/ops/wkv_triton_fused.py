@@ -22,17 +22,22 @@ takes exp of (h_old - h_new) - m (16 w) as one fused multiply-add of exact opera
 unbounded quantity is taken; empty carries are the finite _NEG.
 
 Segments. A sequence longer than a segment (16 CHUNKS tokens; 64 at the shipped config, so 4 segments at T = 256
-and 256 at T = 16,384) is walked segment by segment with a running carry, in one launch:
-- forward: right to left, each segment's right carries (3 floats per chunk and channel) into the saved state; then
-  left to right, its left carries into the saved state and y from both. The state is the 3-launch kernels' (6, B,
-  n, C) chunk carries, so either backward takes either forward's state.
-- backward: right to left, the forward tile recomputed from the saved carries, [alpha, beta], the right backward
-  carries into a (5, B, n, C) scratch; then left to right, the same recomputation, the left backward carries, and
-  dk, dv, du, dw from both. Each thread reads back only what it wrote itself, so no barrier orders the passes.
-du and dw leave as one (2, B, C) partial per program (summed over its chunks), added on the host.
+and 256 at T = 16,384) is walked segment by segment, in one launch. The carry leaving a segment goes to the next
+through a small (fields, B, C) buffer between two barriers (held in registers across the loop it cost the backward
+5 of the registers it did not have); every other value a thread reads back it wrote itself.
+- forward: right to left, each chunk's two aggregates (the left ones into a scratch) and the right carries by a
+  scan, into the saved state; then left to right, the left carries by a scan of the stored aggregates, into the saved
+  state, and y from both. The state is the 3-launch kernels' (6, B, n, C) chunk carries, so either backward takes
+  either forward's state.
+- backward: the same two passes over [alpha, beta], each recomputing the forward tile from the saved carries. The
+  second runs its scan before recomputing the tile, and `_bwd_tile` reads the left carries back from the scratch
+  between its walks and stores dk, dv row by row: none of them is then held beside the walks' seven tiles (each
+  did cost spills on sm_90: `train.bench.kernel_compile`). du and dw leave per chunk, added on the host.
 
-Cost against the 3-launch path: the same walks per chunk (forward 4, backward 8), the k, v (and g) tiles read twice
-per pass instead of once per launch, and no aggregate or combine traffic: `traffic` below.
+Cost against the 3-launch path: the same walks per chunk (forward 4, backward 8) plus the scans, the tiles read
+once per direction, half the chunk scratch, 2 launches instead of 7 (`traffic` below; docs/rwkv.md, "One launch per
+pass", for the counts and the estimate). Parallelism is B x C / 32 programs: 768 at B64 T256 C384, but 12 at B1
+T16384 C384, where the 3-launch kernels' chunk programs win.
 """
 
 from __future__ import annotations
