@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 from routing import ConfigError
+from train.files import write_atomic
 
 log = logging.getLogger(__name__)
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
+    # A killed run leaves the old file or the new one, never half of one; the temporary carries the pid, so two
+    # bench processes sharing a results folder (the bench's two-shell mode) never write the same temporary.
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)  # a killed run leaves the old file or the new one, never half of one
+    write_atomic(path, json.dumps(obj, indent=1))
 
 
 # Values whose spelling changed after results were measured, by key: the old spelling means the new one (the trainer
