@@ -3,6 +3,8 @@
     python -m train.bench.kernel_compile                 # sm_90 (H100/H200): every kernel, config, dtype, flag set
     python -m train.bench.kernel_compile --arch 80 --kernels wkv --dtypes bf16
     python -m train.bench.kernel_compile --flags every    # all 16 combinations of D, z, delta_bias, softplus
+    python -m train.bench.kernel_compile --kernels scan --lengths 256,1024,4096,16384   # the scaling bench's lengths
+    python -m train.bench.kernel_compile --kernels scan --unspecialised                 # every integer plain
 
 Each row is one kernel at one autotune config (BLOCK_*, num_warps, num_stages) for one input dtype and one
 set of the selective scan's optional flags, compiled ahead of time by Triton (`triton.compile` with a
@@ -18,14 +20,20 @@ chunks of 16 tokens, combine groups of 16). The JIT specialises its integer argu
 gets a divisibility-16 hint, which lets loads be vectorised and so changes the layouts, and 1 becomes a
 constant; pointers from torch are 16-byte aligned. A build without those hints is not the one that runs, so the
 arguments go through the JITFunction's own binder (its `do_not_specialize` list included) and `_pack_args`,
-which yield the signature, constants and attributes a launch would compile with (`launch_build`).
+which yield the signature, constants and attributes a launch would compile with (`launch_build`). A config's
+register budget (`maxnreg`, shown as r<N>) goes into the build as the launch passes it. `--lengths` builds the
+scan's kernels at other sequence lengths, the batch keeping SCAN_TOKENS (variants "@length x batch");
+`--unspecialised` builds every integer argument without hints, for comparison only (not what runs).
 Set TRITON_INTERPRET=0 (or leave it unset): under the interpreter the kernels are Python, not compilable.
 
 The last columns read the SASS (`cuobjdump` from the wheel): instructions, exponentials (MUFU.EX2), selects
 (FSEL), warp shuffles (SHFL) and barriers (BAR). They show without a GPU whether a walk was unrolled and its
 row picks folded (backbones/ops/wkv_triton_walks.py `_PARTS`), and whether a tile's rows stayed in one thread
 (no shuffle, no barrier) or were spread over lanes and warps. `s` is the compile time, Triton's cache bypassed
-(TRITON_ALWAYS_COMPILE=1): what an autotuner pays per config on first use, on this machine's CPU.
+(TRITON_ALWAYS_COMPILE=1): what an autotuner pays per config on first use, on this machine's CPU. For the scan,
+`upd` is the warp instructions per state update that the launch executes (each SASS instruction weighted by the trip
+counts of the loops around it, `_executed`) and `est ms` the launch's device time at full issue on an H100
+(H100_WARP_INSTRUCTIONS_PER_S): a floor without stalls, an estimate, not a measurement.
 """
 
 from __future__ import annotations
