@@ -4,7 +4,8 @@ O(T^2) definition and the 3-launch kernels.
 Under Triton's interpreter (no GPU) a segment is 2 chunks (32 tokens), so T = 33 already walks two segments (the
 second with a partial chunk and a chunk of padding) with running carries in both directions; the interpreter runs a
 program's numpy ops one by one, so shapes stay small and T = 300 (10 segments), two channel blocks across
-segments and keys of +-80 are `-m slow`. Tolerances as in
+segments, keys of +-80, one token, the extreme decays and the state exchange between the two kernels are
+`-m slow` (the default suite keeps the two-segment hand-off, a partial channel block, u beyond exp's range, bf16). Tolerances as in
 tests/test_wkv_triton.py: y relative to the weighted average of |v| <= 1e-5, gradients relative to their largest
 float64 entry <= 1e-5 (dw 3e-5), plus 1e-6 absolute for gradients that are exactly zero.
 """
@@ -33,7 +34,7 @@ def fused(monkeypatch):
 @pytest.mark.parametrize(
     "B, T, C",
     [
-        (1, 1, 4),  # one token: y = v exactly, dk = du = 0
+        pytest.param(1, 1, 4, marks=pytest.mark.slow),  # one token: y = v exactly, dk = du = 0
         (1, 17, 20),  # one segment, its second chunk one token; one partial channel block
         (1, 33, 4),  # two segments both ways, the second with a one-token chunk and a chunk of padding
         # and two channel blocks, the second partial (C not a multiple of 16)
@@ -55,7 +56,10 @@ def test_long_sequence_many_segments(device, fused):
     _check_against_float64(*_inputs(2, 300, 36, decay_T=8.0, key_max=20.0, seed=4), device)
 
 
-@pytest.mark.parametrize("decay_T, key_max", [(400.0, 20.0), pytest.param(40.0, 80.0, marks=pytest.mark.slow)])
+# Both cases -m slow (about 8 s of CPU each under the interpreter): the default suite keeps the two-segment hand-off
+# at ordinary decays above and u beyond exp's range below.
+@pytest.mark.slow
+@pytest.mark.parametrize("decay_T, key_max", [(400.0, 20.0), (40.0, 80.0)])
 def test_extreme_decays_and_keys_across_segments(decay_T, key_max, device, fused, monkeypatch):
     """|w| = 10 per token both ways (carries moved by e^{+-320} per segment), or keys up to +-80 (e^80 is near fp32's
     limit): the scan's moves equal the 3-launch kernels' chunk-by-chunk walk. At keys +-80 both kernels' dw is 7e-5
@@ -87,6 +91,7 @@ def test_bf16_in_bf16_out(device, fused):
     _check_bf16(1, 20, device)  # two chunks, the second partial
 
 
+@pytest.mark.slow  # about 8 s of CPU under the interpreter: two forwards and two backwards
 def test_either_backward_takes_either_forward_state(device, monkeypatch):
     """The fused forward saves the 3-launch forward's chunk carries (6, B, n, C), so the switch changes no state."""
     from backbones.ops import wkv_triton, wkv_triton_fused
