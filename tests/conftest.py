@@ -98,19 +98,6 @@ def run_cli(module: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess([module, *args], code, out.getvalue(), err.getvalue())
 
 
-# Files holding the default suite's longest tests (whole bench grids, other processes, Triton's interpreter: 4 to 25 s
-# each with 2 workers on 2 cores, from `--durations`), longest first. Collected before the rest, they start first under
-# xdist, so the suite ends on short tests and neither worker idles while the other finishes a long one.
-LONG_FIRST = ("test_bench.py", "test_bench_gpu.py", "test_fsdp.py", "test_resume_and_distributed.py", "test_op_benchmarks.py",
-              "test_preemption.py", "test_latents.py", "test_run_safety.py", "test_wkv_triton.py", "test_wkv_fused.py",
-              "test_captions.py", "test_videos.py", "test_validation_prompts.py", "test_compile.py")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONG_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))  # stable: each file keeps its own order
-
-
 @pytest.fixture
 def cfg_factory(tmp_path):
     def make(*overrides: str):
