@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import io
 import logging
@@ -104,3 +105,11 @@ def cfg_factory(tmp_path):
         return compose_cfg(*FAST, f"run_dir={tmp_path / 'run'}", *overrides)
 
     return make
+
+
+def folder_hash(folder: Path) -> str:
+    """One digest of a folder's names and bytes: a refused resume or run must leave it exactly as it was."""
+    digest = hashlib.sha256()
+    for p in sorted(folder.rglob("*")):
+        digest.update(str(p.relative_to(folder)).encode() + (p.read_bytes() if p.is_file() else b"/"))
+    return digest.hexdigest()

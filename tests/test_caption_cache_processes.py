@@ -4,22 +4,15 @@ after the encoding leaves the data folder as it was, and a run that starts publi
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, folder_hash
 from test_captions import overrides, pipeline, write_images  # noqa: F401  (pipeline: the tiny Flux fixture)
 
-
-def folder_hash(folder) -> str:
-    digest = hashlib.sha256()
-    for p in sorted(folder.rglob("*")):
-        digest.update(str(p.relative_to(folder)).encode() + (p.read_bytes() if p.is_file() else b"/"))
-    return digest.hexdigest()
 
 
 def launch_two(tmp_path, args: list[str], port: int) -> subprocess.CompletedProcess:

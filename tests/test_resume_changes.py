@@ -3,23 +3,16 @@ with), allowed with a warning, or allowed and printed (train/trainer/changes.py)
 
 from __future__ import annotations
 
-import hashlib
 
 import pytest
 
 from routing import ConfigError
 from train.trainer import Trainer
 from train.trainer.changes import classify
-from conftest import FAST, compose_cfg, run_cli
+from conftest import FAST, compose_cfg, run_cli, folder_hash
 
 ROUTE = {"selection_ratio": 0.75, "start_layer_idx": 2, "end_layer_idx": -3, "mode": "sprint", "path_drop": 0.1}
 
-
-def folder_hash(run) -> str:
-    digest = hashlib.sha256()
-    for p in sorted(run.rglob("*")):
-        digest.update(str(p.relative_to(run)).encode() + (p.read_bytes() if p.is_file() else b"/"))
-    return digest.hexdigest()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 
 import pytest
@@ -17,18 +16,12 @@ import yaml
 
 from routing import ConfigError
 from train.trainer import Trainer
-from conftest import FAST, compose_cfg
+from conftest import FAST, compose_cfg, folder_hash
 
 TINY = ["backbone.depth=4", "backbone.hidden_size=32", "trainer.log_with=none", "trainer.ckpt_every=2"]
 OLD_SELF = ["align=self", "align.head=repa", "align.projector_width=16"]  # what align=self built before align.head
 CKPT = "checkpoints/step_0000002"
 
-
-def folder_hash(run) -> str:
-    digest = hashlib.sha256()
-    for p in sorted(run.rglob("*")):
-        digest.update(str(p.relative_to(run)).encode() + (p.read_bytes() if p.is_file() else b"/"))
-    return digest.hexdigest()
 
 
 @pytest.fixture(scope="module")
