@@ -15,6 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from backbones.ops import wkv_triton_fused
+from backbones.ops.op_inputs import OpInputError
 from backbones.ops.selective_scan_env import check_scan_environment
 from backbones.ops.wkv_env import wkv_kernel
 from routing import ConfigError
@@ -143,3 +145,21 @@ def test_cuda_fused_matches_chunked_kernels(T, monkeypatch):
         torch.testing.assert_close(y1.float(), y3.float(), atol=tol, rtol=tol)
         for name, a, b in zip("wukv", g1, g3):
             assert (a.float() - b.float()).abs().max().item() <= tol * b.float().abs().max().item(), name
+
+
+def test_sequences_past_int32_offsets_are_refused_in_one_sentence(monkeypatch):
+    # T C = 2^31 elements per sequence: the tiles' int32 offsets would wrap. Expanded views cost no memory, and the
+    # refusal comes before anything is allocated or launched, in both passes.
+    from backbones.ops import wkv_triton
+
+    monkeypatch.setenv("TREAD_WKV_KERNEL", "fused")
+    T, C = 2**21, 1024
+    k = torch.zeros(1, 1, 1).expand(1, T, C)
+    w, u = torch.zeros(C), torch.zeros(C)
+    sentence = (r"^Bi-WKV's one-launch kernels address a sequence with int32 offsets, and T C = 2,147,483,648 reaches "
+                r"2\^31; set TREAD_WKV_KERNEL=chunked for this shape\.$")
+    with pytest.raises(OpInputError, match=sentence):
+        wkv_triton.forward(w, u, k, k)
+    with pytest.raises(OpInputError, match=sentence):
+        wkv_triton.backward(w, u, k, k, torch.zeros(0), k)
+    wkv_triton_fused._check_int32(T, C - 1)  # one element fewer per sequence passes the check
