@@ -14,7 +14,6 @@ from conftest import ROOT, folder_hash
 from test_captions import overrides, pipeline, write_images  # noqa: F401  (pipeline: the tiny Flux fixture)
 
 
-
 def launch_two(tmp_path, args: list[str], port: int) -> subprocess.CompletedProcess:
     """`accelerate launch` of `python -m train` on two CPU processes, with a temporary folder of its own."""
     (tmp_path / "tmp").mkdir(exist_ok=True)

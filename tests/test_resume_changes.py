@@ -3,16 +3,14 @@ with), allowed with a warning, or allowed and printed (train/trainer/changes.py)
 
 from __future__ import annotations
 
-
 import pytest
 
 from routing import ConfigError
 from train.trainer import Trainer
 from train.trainer.changes import classify
-from conftest import FAST, compose_cfg, run_cli, folder_hash
+from conftest import FAST, compose_cfg, folder_hash, run_cli
 
 ROUTE = {"selection_ratio": 0.75, "start_layer_idx": 2, "end_layer_idx": -3, "mode": "sprint", "path_drop": 0.1}
-
 
 
 @pytest.fixture(scope="module")

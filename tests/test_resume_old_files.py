@@ -23,7 +23,6 @@ OLD_SELF = ["align=self", "align.head=repa", "align.projector_width=16"]  # what
 CKPT = "checkpoints/step_0000002"
 
 
-
 @pytest.fixture(scope="module")
 def old_self_run(tmp_path_factory):
     """An align=self run at step 2 whose checkpoint config, as one written before align.head existed, has no head."""
