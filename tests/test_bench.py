@@ -318,6 +318,22 @@ def test_grid_last_pairs_come_after_every_seed_of_the_others():
     assert OmegaConf.select(bench, "grid.last") == ["dit-rows"]
 
 
+def test_compose_config_caches_per_search_path_and_hands_out_copies(tmp_path):
+    from hydra import initialize_config_dir
+
+    from train.bench.cells import compose_config
+
+    for value in (1, 2):
+        (tmp_path / f"c{value}").mkdir()
+        (tmp_path / f"c{value}" / "config.yaml").write_text(f"x: {value}\n")
+    with initialize_config_dir(config_dir=str(tmp_path / "c1"), version_base="1.3"):
+        first = compose_config([])
+        first.x = 99  # the caller's copy: the next caller still gets the composed value
+        assert compose_config([]).x == 1 and compose_config(["x=3"]).x == 3
+    with initialize_config_dir(config_dir=str(tmp_path / "c2"), version_base="1.3"):
+        assert compose_config([]).x == 2, "another config folder is another cache entry"
+
+
 def test_recipe_table_names_the_winner_per_family_and_compares_recipes_with_welch_intervals():
     from train.bench import recipes
 
