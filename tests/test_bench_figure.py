@@ -1,4 +1,5 @@
-"""`python -m train.bench.figure`: the front page's figure, drawn from the committed Fashion-MNIST cells alone."""
+"""`python -m train.bench.figure` and `.figure_align`: the front page's and the alignment figures, drawn from the committed
+Fashion-MNIST cells alone."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 from PIL import Image
 
 from train.bench.figure import best_cells, fd_summaries, main, read_cells
+from train.bench.figure_align import FIRST_STEP, mean_curve, read_pairs
+from train.bench.figure_align import main as align_main
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "bench" / "fashion"
 
@@ -36,3 +39,21 @@ def test_a_folder_without_cells_or_samples_is_refused_in_one_sentence(tmp_path):
     with pytest.raises(SystemExit, match="no sample grid .*dit-sprint-s0.png"):
         main(["--results", str(tmp_path), "--out", str(tmp_path / "front.png")])
     assert not (tmp_path / "front.png").exists()
+
+
+def test_the_alignment_pairs_hold_only_their_own_cells():
+    pairs = read_pairs(RESULTS / "cells", "sra")
+    assert len(pairs) == 12  # four families x none, their TREAD, SPRINT
+    for (family, _), sides in pairs.items():
+        assert {c["cell"].rsplit("-s", 1)[0] for c in sides["none"]} == {f"{family}-{sides['none'][0]['routing']}"}
+        assert {c["cell"].rsplit("-s", 1)[0] for c in sides["sra"]} == {f"{family}-{sides['none'][0]['routing']}-sra"}
+    steps, mean, low, high = mean_curve(pairs[("dit", "tread")]["sra"])
+    assert steps[0] >= FIRST_STEP and all(lo <= m <= hi for m, lo, hi in zip(mean, low, high))
+
+
+def test_the_alignment_figure_is_written_or_refused(tmp_path):
+    align_main(["--results", str(RESULTS), "--out", str(tmp_path / "align.png")])
+    assert Image.open(tmp_path / "align.png").size[0] > 1000
+    with pytest.raises(SystemExit, match="no family x recipe .* --align at an alignment it measured"):
+        align_main(["--results", str(RESULTS), "--align", "nonesuch", "--out", str(tmp_path / "other.png")])
+    assert not (tmp_path / "other.png").exists()
