@@ -57,3 +57,16 @@ def test_the_alignment_figure_is_written_or_refused(tmp_path):
     with pytest.raises(SystemExit, match="no family x recipe .* --align at an alignment it measured"):
         align_main(["--results", str(RESULTS), "--align", "nonesuch", "--out", str(tmp_path / "other.png")])
     assert not (tmp_path / "other.png").exists()
+
+
+def test_the_alignment_table_compares_each_pair_at_equal_compute_and_at_a_matched_step(capsys):
+    align_main(["--results", str(RESULTS), "--table", "--also", "self"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 + 12
+    row = next(line for line in lines if line.startswith("| dit-random |")).split(" | ")
+    pairs = read_pairs(RESULTS / "cells", "sra")[("dit", "tread")]
+    fd = sum(c["classifier_fd"] for c in pairs["sra"]) / 3 - sum(c["classifier_fd"] for c in pairs["none"]) / 3
+    assert row[4].startswith(f"{fd:+.1f} [") and row[6].endswith(f"(step {pairs['sra'][0]['train_steps'] // 100 * 100:,})")
+    assert row[7].rstrip(" |").endswith(("wins", "loses", "ties"))  # weight 2's cells, dit-random-self-s*
+    with pytest.raises(SystemExit, match="no family x recipe"):
+        align_main(["--results", str(RESULTS), "--table", "--align", "nonesuch"])

@@ -1,7 +1,9 @@
-"""The alignment figure: held-out EMA loss of every family x recipe, unaligned and at SRA's settings, against steps.
+"""The alignment figure: held-out EMA loss of every family x recipe, unaligned and at SRA's settings, against steps;
+and the table of docs/alignment.md beside it.
 
     python -m train.bench.figure_align            # docs/figures/alignment_sra.png from the committed cells (seconds)
     python -m train.bench.figure_align --results docs/bench/fashion --align sra --out alignment.png
+    python -m train.bench.figure_align --table --also self   # the markdown table, with a column for weight 2's cells
 
 Reads only the Fashion-MNIST bench's committed cell files (docs/alignment.md, "Rerun at SRA's settings"): each cell's
 quality curve, the held-out EMA loss of its checkpoints every 100 steps. One panel per family (columns) and recipe
@@ -9,6 +11,10 @@ quality curve, the held-out EMA loss of its checkpoints every 100 steps. One pan
 seeds' min-max band. Both train the same compute, so the aligned line, whose step also runs the EMA teacher, ends at
 fewer steps: where the two lines overlap, alignment ties step for step, and the gap between their last points is what
 it costs at equal compute.
+
+The table: per pair, aligned minus unaligned at equal compute (classifier-FD, held-out EMA loss) and at the last step
+every cell of the pair reached (held-out EMA loss from the quality curves), with 95% Welch intervals over the seeds
+(train/bench/stats.py); `--also` adds another alignment's classifier-FD difference as a last column.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ matplotlib.use("Agg")  # files only; no display on servers
 import matplotlib.pyplot as plt  # noqa: E402
 
 from train.bench.figure import FAMILIES, USUAL  # noqa: E402
+from train.bench.stats import verdict, welch_difference  # noqa: E402
 
 RECIPES = {"none": "unrouted", "tread": "TREAD", "sprint": "SPRINT"}
 FIRST_STEP = 300  # earlier checkpoints' losses are several times the last ones and would flatten the part that differs
@@ -44,6 +51,16 @@ def read_pairs(cells: Path, align: str) -> dict[tuple[str, str], dict[str, list[
     return found
 
 
+def measured_pairs(results: Path, align: str) -> dict[tuple[str, str], dict[str, list[dict]]]:
+    """read_pairs, refused in one sentence when no pair was measured with `align`."""
+    pairs = read_pairs(results / "cells", align)
+    if not pairs:
+        raise SystemExit(f"error: no family x recipe in {results / 'cells'} has both unaligned cells and cells named "
+                         f"'<family>-<routing>-{align}-s<seed>.json'; point --results at a bench's results_dir "
+                         "(docs/bench/fashion holds the committed ones) and --align at an alignment it measured (e.g. sra).")
+    return pairs
+
+
 def mean_curve(cells: list[dict]) -> tuple[list[int], list[float], list[float], list[float]]:
     """Steps from FIRST_STEP that every seed reached, and the mean, min and max over seeds of the held-out EMA loss at each."""
     curves = [c["quality_curve"] for c in cells]
@@ -52,12 +69,40 @@ def mean_curve(cells: list[dict]) -> tuple[list[int], list[float], list[float], 
     return steps, [sum(v) / len(v) for v in losses], [min(v) for v in losses], [max(v) for v in losses]
 
 
+def _difference(mine: list[float], theirs: list[float], digits: int) -> str:
+    d = welch_difference(mine, theirs)
+    if d["low"] is None:
+        return "n/a (one seed)" if d["diff"] is not None else "n/a"
+    return f"{d['diff']:+.{digits}f} [{d['low']:+.{digits}f}, {d['high']:+.{digits}f}] {verdict(d, True)}"
+
+
+def table(results: Path, align: str, also: str | None = None) -> str:
+    """The markdown table of docs/alignment.md's rerun: one row per family x recipe measured with `align`."""
+    pairs = measured_pairs(results, align)
+    others = read_pairs(results / "cells", also) if also else {}
+    head = ["family, recipe", "seeds", f"steps, unaligned / {align}", f"classifier-FD, unaligned / {align}",
+            f"{align} minus unaligned: classifier-FD", "held-out EMA loss", "matched step: EMA loss"]
+    head += [f"{also} minus unaligned: classifier-FD"] if also else []
+    lines = [f"| {' | '.join(head)} |", "|" + " --- |" * len(head)]
+    mean = lambda cells, key: sum(c[key] for c in cells) / len(cells)  # noqa: E731
+    for (family, recipe), sides in pairs.items():
+        base, aligned = sides["none"], sides[align]
+        step = max(set.intersection(*(set(c["quality_curve"]["step"]) for c in base + aligned)))
+        at = lambda cells: [c["quality_curve"]["ema_loss"][c["quality_curve"]["step"].index(step)] for c in cells]  # noqa: E731
+        row = [f"{family}-{base[0]['routing']}", str(len(aligned)), f"{base[0]['train_steps']:,} / {aligned[0]['train_steps']:,}",
+               f"{mean(base, 'classifier_fd'):.1f} / {mean(aligned, 'classifier_fd'):.1f}",
+               _difference([c["classifier_fd"] for c in aligned], [c["classifier_fd"] for c in base], 1),
+               _difference([c["ema_loss"] for c in aligned], [c["ema_loss"] for c in base], 4),
+               f"{_difference(at(aligned), at(base), 4)} (step {step:,})"]
+        if also:
+            other = others.get((family, recipe), {}).get(also, [])
+            row.append(_difference([c["classifier_fd"] for c in other], [c["classifier_fd"] for c in base], 1))
+        lines.append(f"| {' | '.join(row)} |")
+    return "\n".join(lines)
+
+
 def draw(results: Path, align: str, out: Path) -> None:
-    pairs = read_pairs(results / "cells", align)
-    if not pairs:
-        raise SystemExit(f"error: no family x recipe in {results / 'cells'} has both unaligned cells and cells named "
-                         f"'<family>-<routing>-{align}-s<seed>.json'; point --results at a bench's results_dir "
-                         "(docs/bench/fashion holds the committed ones) and --align at an alignment it measured (e.g. sra).")
+    pairs = measured_pairs(results, align)
     fig, axes = plt.subplots(len(RECIPES), len(FAMILIES), figsize=(3.4 * len(FAMILIES), 2.7 * len(RECIPES)), squeeze=False)
     for (i, recipe), (j, family) in ((r, f) for r in enumerate(RECIPES) for f in enumerate(FAMILIES)):
         ax = axes[i][j]
@@ -98,7 +143,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="a bench's results_dir holding cells/*.json (default: %(default)s)")
     parser.add_argument("--align", default="sra", help="the aligned cells' name in the grid (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=Path("docs/figures/alignment_sra.png"), help="PNG (default: %(default)s)")
+    parser.add_argument("--table", action="store_true", help="print the markdown table instead of drawing the figure")
+    parser.add_argument("--also", help="--table: another alignment's cells (e.g. self) as a last column")
     args = parser.parse_args(argv)
+    if args.table:
+        print(table(args.results, args.align, args.also))
+        return
     draw(args.results, args.align, args.out)
     print(f"wrote {args.out}", file=sys.stderr)
 
