@@ -70,3 +70,13 @@ def test_the_alignment_table_compares_each_pair_at_equal_compute_and_at_a_matche
     assert row[7].rstrip(" |").endswith(("wins", "loses", "ties"))  # weight 2's cells, dit-random-self-s*
     with pytest.raises(SystemExit, match="no family x recipe"):
         align_main(["--results", str(RESULTS), "--table", "--align", "nonesuch"])
+
+
+@pytest.mark.parametrize("damage,message", [("{not json", "not a readable cell file"), ("[1, 2]", "not a bench cell file")])
+def test_a_damaged_cell_file_is_named_in_one_sentence_and_nothing_is_drawn(tmp_path, damage, message):
+    shutil.copytree(RESULTS / "cells", tmp_path / "cells")
+    (tmp_path / "cells" / "dit-random-sra-s1.json").write_text(damage)
+    for draw in (main, align_main):
+        with pytest.raises(SystemExit, match=f"dit-random-sra-s1.json is {message}"):
+            draw(["--results", str(tmp_path), "--out", str(tmp_path / "out.png")])
+    assert not (tmp_path / "out.png").exists()

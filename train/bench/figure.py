@@ -36,11 +36,24 @@ def recipe_routing(family: str, recipe: str) -> str:
     return USUAL[family] if recipe == "tread" else recipe
 
 
+def load_cell(path: Path) -> dict:
+    """One cell file, or one sentence naming the damaged file (the figures read, never write, the cells)."""
+    try:
+        cell = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {path} is not a readable cell file ({type(e).__name__}); restore it from git "
+                         "(git checkout -- <file>) or run `python -m train.bench` again to re-measure it.") from None
+    if not isinstance(cell, dict) or not {"cell", "backbone", "routing", "seed"} <= cell.keys():
+        raise SystemExit(f"error: {path} is not a bench cell file (no cell, backbone, routing, seed keys); move it out of "
+                         f"{path.parent}, which holds only `python -m train.bench`'s cell files.")
+    return cell
+
+
 def read_cells(cells: Path) -> dict[tuple[str, str], list[dict]]:
     """The unaligned cells of the four families, by (family, routing): one dict per seed."""
     found: dict[tuple[str, str], list[dict]] = {}
     for path in sorted(cells.glob("*.json")):
-        cell = json.loads(path.read_text())
+        cell = load_cell(path)
         if cell["backbone"] in FAMILIES and cell["cell"] == f"{cell['backbone']}-{cell['routing']}-s{cell['seed']}":
             found.setdefault((cell["backbone"], cell["routing"]), []).append(cell)
     return found

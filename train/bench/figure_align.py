@@ -20,7 +20,6 @@ every cell of the pair reached (held-out EMA loss from the quality curves), with
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display on servers
 import matplotlib.pyplot as plt  # noqa: E402
 
-from train.bench.figure import FAMILIES, USUAL  # noqa: E402
+from train.bench.figure import FAMILIES, USUAL, load_cell  # noqa: E402
 from train.bench.stats import verdict, welch_difference  # noqa: E402
 
 RECIPES = {"none": "unrouted", "tread": "TREAD", "sprint": "SPRINT"}
@@ -43,11 +42,15 @@ def read_pairs(cells: Path, align: str) -> dict[tuple[str, str], dict[str, list[
     for family in FAMILIES:
         for recipe in RECIPES:
             routing = USUAL[family] if recipe == "tread" else recipe
-            sides = {side: [json.loads(p.read_text()) for p in sorted(cells.glob("*.json"))
+            sides = {side: [load_cell(p) for p in sorted(cells.glob("*.json"))
                             if re.fullmatch(rf"{family}-{routing}{re.escape(suffix)}-s\d+", p.stem)]
                      for side, suffix in (("none", ""), (align, f"-{align}"))}
             if all(sides.values()):
                 found[(family, recipe)] = sides
+            unscored = [c["cell"] for cs in sides.values() for c in cs if not c.get("quality_curve", {}).get("step")]
+            if unscored:
+                raise SystemExit(f"error: cell {unscored[0]} in {cells} has no quality curve (it was measured with "
+                                 "eval.every=0); measure it again with the bench's eval.every set (fashion: 100).")
     return found
 
 
