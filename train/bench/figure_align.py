@@ -23,13 +23,14 @@ import argparse
 import re
 import sys
 from pathlib import Path
+from statistics import fmean
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only; no display on servers
 import matplotlib.pyplot as plt  # noqa: E402
 
-from train.bench.figure import FAMILIES, USUAL, load_cell  # noqa: E402
+from train.bench.figure import FAMILIES, load_cell, recipe_routing  # noqa: E402
 from train.bench.stats import verdict, welch_difference  # noqa: E402
 
 RECIPES = {"none": "unrouted", "tread": "TREAD", "sprint": "SPRINT"}
@@ -41,7 +42,7 @@ def read_pairs(cells: Path, align: str) -> dict[tuple[str, str], dict[str, list[
     found: dict[tuple[str, str], dict[str, list[dict]]] = {}
     for family in FAMILIES:
         for recipe in RECIPES:
-            routing = USUAL[family] if recipe == "tread" else recipe
+            routing = recipe_routing(family, recipe)
             sides = {side: [load_cell(p) for p in sorted(cells.glob("*.json"))
                             if re.fullmatch(rf"{family}-{routing}{re.escape(suffix)}-s\d+", p.stem)]
                      for side, suffix in (("none", ""), (align, f"-{align}"))}
@@ -69,7 +70,7 @@ def mean_curve(cells: list[dict]) -> tuple[list[int], list[float], list[float], 
     curves = [c["quality_curve"] for c in cells]
     steps = sorted(s for s in set.intersection(*(set(q["step"]) for q in curves)) if s >= FIRST_STEP)
     losses = [[q["ema_loss"][q["step"].index(s)] for q in curves] for s in steps]  # (steps, seeds)
-    return steps, [sum(v) / len(v) for v in losses], [min(v) for v in losses], [max(v) for v in losses]
+    return steps, [fmean(v) for v in losses], [min(v) for v in losses], [max(v) for v in losses]
 
 
 def _difference(mine: list[float], theirs: list[float], digits: int) -> str:
@@ -87,13 +88,12 @@ def table(results: Path, align: str, also: str | None = None) -> str:
             f"{align} minus unaligned: classifier-FD", "held-out EMA loss", "matched step: EMA loss"]
     head += [f"{also} minus unaligned: classifier-FD"] if also else []
     lines = [f"| {' | '.join(head)} |", "|" + " --- |" * len(head)]
-    mean = lambda cells, key: sum(c[key] for c in cells) / len(cells)  # noqa: E731
     for (family, recipe), sides in pairs.items():
         base, aligned = sides["none"], sides[align]
         step = max(set.intersection(*(set(c["quality_curve"]["step"]) for c in base + aligned)))
         at = lambda cells: [c["quality_curve"]["ema_loss"][c["quality_curve"]["step"].index(step)] for c in cells]  # noqa: E731
         row = [f"{family}-{base[0]['routing']}", str(len(aligned)), f"{base[0]['train_steps']:,} / {aligned[0]['train_steps']:,}",
-               f"{mean(base, 'classifier_fd'):.1f} / {mean(aligned, 'classifier_fd'):.1f}",
+               f"{fmean(c['classifier_fd'] for c in base):.1f} / {fmean(c['classifier_fd'] for c in aligned):.1f}",
                _difference([c["classifier_fd"] for c in aligned], [c["classifier_fd"] for c in base], 1),
                _difference([c["ema_loss"] for c in aligned], [c["ema_loss"] for c in base], 4),
                f"{_difference(at(aligned), at(base), 4)} (step {step:,})"]
@@ -122,8 +122,7 @@ def draw(results: Path, align: str, out: Path) -> None:
             ax.fill_between(steps, low, high, color=f"C{k}", alpha=0.15)
             ax.plot(steps[-1], mean[-1], "o", color=f"C{k}", markersize=4)  # the end of the equal-compute budget
         per_step = sides["none"][0]["train_steps"] / sides[align][0]["train_steps"]
-        routing = USUAL[family] if recipe == "tread" else recipe
-        ax.set_title(f"{FAMILIES[family]}, {RECIPES[recipe]}{f' ({routing})' if recipe == 'tread' else ''}\n"
+        ax.set_title(f"{FAMILIES[family]}, {RECIPES[recipe]}{f' ({recipe_routing(family, recipe)})' if recipe == 'tread' else ''}\n"
                      f"aligned step costs {per_step:.2f}x", fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
         ax.tick_params(labelsize=7)
