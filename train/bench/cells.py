@@ -79,14 +79,19 @@ def _composed(search_path: tuple[tuple[str, str], ...], overrides: tuple[str, ..
     return compose(config_name="config", overrides=list(overrides))
 
 
+def _cached(overrides: list[str]) -> DictConfig:
+    """The shared composed config of the current search path; callers must not change it."""
+    path = tuple((e.provider, e.path) for e in GlobalHydra.instance().config_loader().get_search_path().get_path())
+    return _composed(path, tuple(overrides))
+
+
 def compose_config(overrides: list[str]) -> DictConfig:
     """`compose(config_name="config", overrides)`, once per process for each search path and list of overrides.
 
     Composing costs 0.1-0.5 s of CPU, and a process composes the same pair again and again: every bench run in one
     process (the tests run dozens), the cost table's unrouted bases. Each caller gets its own copy to change.
     """
-    path = tuple((e.provider, e.path) for e in GlobalHydra.instance().config_loader().get_search_path().get_path())
-    return copy.deepcopy(_composed(path, tuple(overrides)))
+    return copy.deepcopy(_cached(overrides))
 
 
 def compose_pair(bench: DictConfig, backbone: str, routing: str, align: str = "none") -> tuple[DictConfig, bool, dict]:
@@ -105,7 +110,7 @@ def compose_pair(bench: DictConfig, backbone: str, routing: str, align: str = "n
     groups = [f"backbone={family}", f"routing={routing}", f"data={bench.dataset}"] + ([f"align={group}"] if align != "none" else [])
     try:
         cfg = compose_config([*groups, *bench.overrides, *extra])
-        plain = OmegaConf.to_container(compose_config(groups), resolve=True)
+        plain = OmegaConf.to_container(_cached(groups), resolve=True)  # a new container: no copy needed
     except (MissingConfigException, OverrideParseException, ConfigCompositionException) as err:
         raise ConfigError(f"{str(err).splitlines()[0]} (check grid.backbones, grid.routings, grid.aligns, dataset, overrides and grid.align_overrides).") from err
     with open_dict(cfg):
