@@ -25,6 +25,7 @@ aten = torch.ops.aten
 READ_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.equal.default,
             aten.is_nonzero.default, aten.masked_select.default, aten._unique.default, aten._unique2.default,
             aten.unique_dim.default, aten.unique_consecutive.default, aten.argwhere.default}
+COMPREHENSIONS = ("<listcomp>", "<dictcomp>", "<setcomp>")
 METHODS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
 
 
@@ -35,8 +36,14 @@ def where() -> str:
     own = [f for f in frames if not f.filename.startswith(str(ROOT / "tests"))] or frames
     if not own:
         return "?"
-    f = own[-1]
-    return f"{Path(f.filename).relative_to(ROOT)}:{f.lineno} {f.name}"
+    f, name = own[-1], own[-1].name
+    # Python 3.12 inlines comprehensions into their function (PEP 709), 3.11 runs them in a frame of their own: name a
+    # read by the function that holds the comprehension on both.
+    for outer in reversed(own[:-1]):
+        if name not in COMPREHENSIONS or outer.filename != f.filename:
+            break
+        name = outer.name
+    return f"{Path(f.filename).relative_to(ROOT)}:{f.lineno} {name}"
 
 
 def _boolean_index(args) -> bool:

@@ -6,6 +6,7 @@ with aot_eager (dynamo and AOT autograd, no code generation); inductor, which co
 runs in the slow ones.
 """
 
+import collections
 import copy
 
 import pytest
@@ -243,8 +244,8 @@ def test_the_trainer_with_compile_model_trains_one_graph_as_eager(tmp_path, monk
 @pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == "dit" else pytest.mark.slow) for c in ("dit", "mamba", "rwkv")])
 def test_compile_regions_reuse_one_block_graph_and_train_as_eager(case):
     """trainer.compile_regions: the route's two blocks (same shape) are one nested region, traced once and called
-    twice in the single whole-model graph; the losses are the eager ones. (Dynamo inlines a region used once, so the
-    blocks before and after the route, one each here, stay inline.) The scan families' ops are inside the region."""
+    twice in the single whole-model graph; the losses are the eager ones. The blocks before and after the route, one
+    each here, are used once. The scan families' ops are inside the region."""
     from torch._dynamo.backends.registry import lookup_backend
 
     graphs = []
@@ -262,7 +263,9 @@ def test_compile_regions_reuse_one_block_graph_and_train_as_eager(case):
     assert losses == pytest.approx(eager, rel=1e-5, abs=1e-5)
     assert len(graphs) == 1, "one whole-model graph, no break"
     regions = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "invoke_subgraph" in str(n.target)]
-    assert len(regions) == 2 and len({n.args[1] for n in regions}) == 1, [n.args[:2] for n in regions]
+    # torch 2.14 inlines the blocks outside the route; 2.11 (the GPU machines' image) keeps each in a region of its own.
+    uses = sorted(collections.Counter(n.args[1] for n in regions).values())
+    assert uses in ([2], [1, 1, 2]), [n.args[:2] for n in regions]
 
 
 def test_compile_regions_leave_hooked_blocks_inline_and_refuse_other_modes(monkeypatch):

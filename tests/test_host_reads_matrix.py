@@ -41,7 +41,7 @@ INHERENT = {
         "the chunked Bi-WKV op, the CPU path and CUDA's without Triton (CUDA runs the Triton kernels, whose chunks are a fixed 16 "
         "tokens): its chunk length, and so the shape of every matmul and the number of carry steps, follows max |w|, which "
         "keeps each chunk's decays inside e^+-12",
-    ("aten.nonzero", "backbones/ops/moe.py <listcomp>"):
+    ("aten.nonzero", "backbones/ops/moe.py _token_choice"):
         "token choice (the MoE table's baseline), dropless: each expert's matmul takes the tokens that chose it, a load that "
         "follows the gate (expert choice and DiffMoE's capacity routing have fixed loads and read nothing)",
 }
