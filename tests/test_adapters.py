@@ -12,7 +12,7 @@ import torch
 from backbones.adapters import FAMILIES, add_lora, adapt, load_lora, load_pretrained, lora_parameters, lora_state_dict, save_lora
 from backbones.adapters.flux import PerSampleRopeProcessor
 from edm import FlowLoss
-from routing import ConfigError, Route, Router, build_policy
+from routing import ConfigError, ForceKeep, Route, Router, build_policy
 from routing.policy import POLICIES
 
 B = 2
@@ -219,7 +219,8 @@ def test_force_keep_tokens_are_always_processed(family, policy):
     tokens = torch.zeros(B, N, dtype=torch.bool)
     tokens[0, [4, 5, 10, 11]] = True
     tokens[1, 18] = True
-    for mask in (pixels, tokens):
+    # Bare or as a ForceKeep (its host copy pooled alike), per latent pixel or per token.
+    for mask in (pixels, tokens, ForceKeep.of(pixels), ForceKeep.of(tokens)):
         if isinstance(cond, dict):
             out = call(net, x, t, {**cond, "force_keep": mask})
         else:

@@ -248,6 +248,20 @@ def test_a_pretrained_model_cut_short_is_one_sentence_before_diffusers_reads_it(
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
 
+def test_a_pretrained_config_that_does_not_fit_its_weights_is_one_sentence(tmp_path, capsys):
+    """config.json from another model than its weights (edited, or fetched apart): diffusers' shape error becomes one
+    sentence naming the folder and the fix."""
+    from backbones.adapters import load_pretrained
+    from test_finetune_cli import write_pretrained
+
+    folder = write_pretrained("flux", tmp_path / "flux")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "joint_attention_dim": config["joint_attention_dim"] + 8}))
+    code, message = stopped(lambda: load_pretrained("flux", folder), capsys)
+    assert code == 2 and message.startswith(f"error: the weights in '{folder}' do not fit its config.json: context_embedder.weight is [32, 24]")
+    assert "fetch config.json and the weights together again" in message and "\n" not in message.strip()
+
+
 def test_a_pipeline_component_config_cut_short_is_named(pipeline, tmp_path, capsys):
     """A pipeline's VAE config.json cut in half (a download that stopped): the caption cache refuses it in one sentence
     naming the file, before anything is encoded or written."""

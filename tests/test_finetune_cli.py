@@ -220,13 +220,25 @@ def test_resume_continues_a_fine_tuning_run_exactly(models, tmp_path):
         load_run(run)
 
 
-def test_bf16_base_weights_train_fp32_lora(models, tmp_path):
+def test_bf16_base_weights_train_fp32_lora_and_sample(models, tmp_path):
+    """The fp32 LoRA trains on a bf16 base under autocast; the preview grid, train.sample and a bare call, which pass
+    fp32 latents outside any autocast, run the base in bf16 as training did (they failed on its bf16 layers)."""
+    run = tmp_path / "run"
     cfg = compose_cfg(*FAST, *finetune(models, "flux", "finetune.dtype=bf16", "trainer.mixed_precision=bf16"),
-                      "trainer.max_steps=1", f"run_dir={tmp_path / 'run'}")
+                      "trainer.max_steps=1", "trainer.sample_every=1", "trainer.ckpt_every=1", "sample.steps=2", f"run_dir={run}")
     trainer = Trainer(cfg)
     assert all(torch.isfinite(torch.tensor(trainer.fit())))
     dtypes = {(".lora_" in n, p.dtype) for n, p in trainer.backbone.pretrained.named_parameters()}
     assert dtypes == {(False, torch.bfloat16), (True, torch.float32)}
+    assert (run / "samples" / "step_0000001.png").is_file()
+    sampled = run_cli("train.sample", str(run), "--steps", "2", "--per-class", "1", "--out", str(tmp_path / "grid.png"))
+    assert sampled.returncode == 0, sampled.stderr[-3000:]
+    adapter = adapt(load_pretrained("flux", models["flux"], torch.bfloat16)).eval()
+    x, t, cond = same_inputs("flux")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = adapter(x, t, cond)
+    with torch.no_grad():
+        assert torch.equal(adapter(x, t, cond), want)
 
 
 def test_prompt_conditioned_maps_labels_to_their_table_rows(models):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,8 +157,9 @@ def token_mask(mask: torch.Tensor | ForceKeep, grid: tuple[int, ...], patch: int
     patch = (patch,) * len(grid) if isinstance(patch, int) else tuple(patch)
     pixels = tuple(n * p for n, p in zip(grid, patch))
     n = math.prod(grid)
-    if isinstance(mask, ForceKeep):  # the trainer's masks: per token already, with their host copy (routing.policy)
-        return check_force_keep(mask, n)
+    if isinstance(mask, ForceKeep):  # per token (the trainer's masks) or per pixel: pooled on the device and host alike
+        host = token_mask(torch.from_numpy(mask.host), grid, patch).numpy()
+        return check_force_keep(ForceKeep(token_mask(mask.mask, grid, patch), host), n)
     if mask.ndim == len(grid) + 2 and mask.shape[1] == 1:
         mask = mask[:, 0]
     if mask.ndim == 2 and mask.shape[1] == n:
@@ -265,6 +266,18 @@ class RoutedTransformer(nn.Module):
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, cond=None, *, force_keep: torch.Tensor | None = None, **kwargs):
         """x (B, C, H, W), t (B,) or () in [0, 1]; cond: a dict of the family's inputs (or DiT's labels)."""
+        with self.base_precision(x.device):
+            return self._forward(x, t, cond, force_keep, kwargs)
+
+    def base_precision(self, device: torch.device):
+        """Autocast to the base's dtype where no autocast is on: a bf16 base trains under bf16 autocast (the trainer
+        requires it), and previews, `train.sample` and API calls pass fp32 latents, which its layers cannot take."""
+        dtype = next(self.model.parameters()).dtype
+        if dtype == torch.float32 or torch.is_autocast_enabled(device.type):
+            return nullcontext()
+        return torch.autocast(device.type, dtype=dtype)
+
+    def _forward(self, x: torch.Tensor, t: torch.Tensor, cond, force_keep: torch.Tensor | None, kwargs: dict):
         cond, mask = self.conditioning(cond, kwargs)
         mask = force_keep if force_keep is not None else mask if mask is not None else self.held_keep
         t = t.reshape(-1).expand(x.shape[0])  # () or (B,) -> (B,)

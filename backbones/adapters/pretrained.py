@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -71,7 +72,15 @@ def load_pretrained(family: str, path: str | os.PathLike, torch_dtype: torch.dty
     folder = pretrained_folder(family, path)
     for weights in sorted(folder.glob("*.safetensors")):  # whole, from their headers: a download cut short is named
         tensor_shapes(weights, f"fetch the model again ({PRETRAINED[family][1]}); a download that stopped leaves such a file")
-    return model_class(family).from_pretrained(folder, torch_dtype=torch_dtype, local_files_only=True)
+    try:
+        return model_class(family).from_pretrained(folder, torch_dtype=torch_dtype, local_files_only=True)
+    except ValueError as error:  # diffusers: a weight whose shape is not the one config.json builds
+        found = re.search(r"(\S+) expected shape torch.Size\((.+?)\), but got torch.Size\((.+?)\)", str(error))
+        if found is None:
+            raise
+        name, built, stored = found.groups()
+        raise ConfigError(f"the weights in '{folder}' do not fit its config.json: {name} is {stored} there, {built} as "
+                          f"config.json builds it; fetch config.json and the weights together again ({PRETRAINED[family][1]}).") from None
 
 
 def resolution_shift(path: str | os.PathLike | None = None):
