@@ -90,3 +90,7 @@ def test_random_stand_in_from_the_command_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--family", "flux", "--random", "5,24", "--prompts", "a", "--out", str(tmp_path / "q.safetensors")])
     assert exit_.value.code == 2 and "--random for flux takes L,D,P" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # no run reads a Wan table: its clips carry their captions
+        main(["--family", "wan", "--random", "5,24", "--prompts", "a", "--out", str(tmp_path / "w.safetensors")])
+    assert exit_.value.code == 2 and "so no run reads a Wan prompt table" in capsys.readouterr().err
+    assert not (tmp_path / "w.safetensors").exists()

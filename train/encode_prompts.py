@@ -47,6 +47,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--seed", type=bounded(int, 0, example="--seed 0"), default=0, help="seed of --random")
     args = parser.parse_args(argv)
+    if args.family == "wan":  # encode_table serves Wan's caption cache and train.sample --prompt, not a table
+        parser.error("Wan trains on captioned clips (data=videos), each caption encoded into the data's cache, so no run "
+                     "reads a Wan prompt table; write a caption beside each clip (docs/finetuning_video.md)")
     if args.prompts_file:
         fix = "pass a UTF-8 text file with one prompt per line, in class order"
         args.prompts = [line.strip() for line in read_text(args.prompts_file, fix).splitlines() if line.strip()]

@@ -31,7 +31,7 @@ class FinetuneConfig:
                                 choices=FAMILIES, example="flux", on_resume=REFUSE)
     pretrained: Optional[str] = key(None, "local folder of the diffusers transformer, or of its pipeline (with transformer/)",
                                     example="weights/FLUX.1-dev")
-    prompts: Optional[str] = key(None, "prompt table of the class prompts (flux, sd3, pixart, wan), from python -m train.encode_prompts",
+    prompts: Optional[str] = key(None, "prompt table of the class prompts (flux, sd3, pixart), from python -m train.encode_prompts",
                                  example="prompts/flux.safetensors")
     train: str = key("lora", "what trains: lora (base frozen) | full (every weight)", choices=("lora", "full"), example="lora",
                      on_resume=REFUSE)
