@@ -109,3 +109,29 @@ def test_the_refusal_is_one_sentence_naming_parameter_keys_and_meaning_keys_apar
                        "keys that add, remove or move parameters (routing.policy: 'structured' -> 'random') and was trained with "
                        "other values of keys that cannot change on resume (seed: 0 -> 1); resume with the saved values or start "
                        "a new run_dir.")
+
+
+def test_a_resume_command_naming_only_the_run_continues_it_as_it_was_started(tmp_path):
+    """`python -m train run_dir=R resume=true` reads R's own overrides (.hydra/overrides.yaml) before its own: the run
+    continues with its family, routes and batch, loss for loss as if it had not stopped; the command's keys still win."""
+    import json
+
+    def losses(run):
+        return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    started = [*FAST, "backbone.depth=6", "routing=rows", "trainer.batch_size=6", "trainer.ckpt_every=2", "trainer.log_with=none"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert run_cli("train", *started, "trainer.max_steps=3", f"run_dir={straight}").returncode == 0
+    assert run_cli("train", *started, f"run_dir={split}").returncode == 0
+    resumed = run_cli("train", f"run_dir={split}", "resume=true", "trainer.max_steps=3")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resume: the run's own settings from {split / '.hydra' / 'overrides.yaml'}: " in resumed.stdout
+    assert "routing=rows trainer.batch_size=6" in resumed.stdout and "trainer.max_steps=2" not in resumed.stdout
+    assert losses(split) == losses(straight) and len(losses(straight)) == 3
+    assert "trainer.batch_size=6" in (split / ".hydra" / "overrides.yaml").read_text()  # the next resume reads them again
+
+    (split / ".hydra" / "overrides.yaml").write_text("backbone: [rwkv\n")
+    refused = run_cli("train", f"run_dir={split}", "resume=true", "trainer.max_steps=4")
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        f"error: '{split / '.hydra' / 'overrides.yaml'}' is not valid YAML; repeat the run's settings on the command line "
+        "and restore or delete this file."]

@@ -5,7 +5,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from train.cli import CONFIGS, friendly_errors, precompose
+from train.cli import CONFIGS, friendly_errors, precompose, refuse
 
 
 # An absolute folder: a relative one resolves as a Python package when the entry point is imported (tests).
@@ -71,6 +71,17 @@ def refuse_steps_behind(cfg: DictConfig) -> None:
 
 def cli(argv: list[str]) -> None:
     """What `python -m train ARGS` runs (tests call it in-process)."""
+    import os
+
+    from routing import ConfigError
+    from train.rundir import resumed_overrides
+
+    try:
+        argv, kept, record = resumed_overrides(argv)  # resume: the run's own settings, then the command's
+    except ConfigError as err:  # a damaged .hydra/overrides.yaml
+        refuse(err)
+    if kept and os.environ.get("RANK", "0") == "0":
+        print(f"resume: the run's own settings from {record}: {' '.join(kept)}")
     precompose("config", argv)  # a bad key, type or range: one sentence, exit 2, before any folder exists
     sys.argv = [sys.argv[0], *argv]  # Hydra reads its command line from sys.argv
     main()

@@ -26,7 +26,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from routing import ConfigError
-from train.files import read_metrics, write_atomic
+from train.files import read_metrics, read_overrides, write_atomic
 from train.files.atomic import stale_temporaries
 
 LOCK = ".lock"
@@ -175,6 +175,40 @@ class RunDirClaim:
             if held[1] <= 0:
                 held[0].release()
                 del _HELD[self.key]
+
+
+# What a resume takes from its own command, never from the run's record: where the run is and how to continue it.
+COMMAND_ONLY = ("run_dir", "resume", "overwrite")
+CONTINUE = ("true", "auto", "latest")
+
+
+def resumed_overrides(argv: list[str]) -> tuple[list[str], list[str], Path | None]:
+    """A resume's command line: the overrides its run was started with (<run>/.hydra/overrides.yaml), then this
+    command's, which replace them key by key. So `python -m train run_dir=R resume=true` continues R as it was
+    started (rwkv, its routes, its batch), and `... trainer.max_steps=4000` changes that key alone; the trainer then
+    refuses what may not change on resume, as before. Returns (argv, the overrides taken from the run, the record);
+    argv unchanged where the command is no resume, names no run, or the run has no record (a fresh `resume=auto`)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    try:
+        given = {o.key_or_group: o for o in parser.parse_overrides([a for a in argv if not a.startswith("-")])}
+    except Exception:  # noqa: BLE001 -- a malformed override: composing reports it in one sentence
+        return argv, [], None
+    resume = given.get("resume")
+    value = None if resume is None else resume.value()
+    text = str(value).lower() if isinstance(value, (bool, str)) else None
+    if text is None or text in ("false", "null", "none", "") or (text in CONTINUE and "run_dir" not in given):
+        return argv, [], None
+    run = Path(str(given["run_dir"].value())) if text in CONTINUE else Path(str(value)).parent.parent  # a checkpoint's run
+    record = run.expanduser() / ".hydra" / "overrides.yaml"
+    if not record.is_file():
+        return argv, [], None
+    saved = read_overrides(record)
+    kept = [o for o, parsed in zip(saved, parser.parse_overrides(saved))
+            if parsed.key_or_group not in given and parsed.key_or_group not in COMMAND_ONLY]
+    first = next(i for i, a in enumerate(argv) if not a.startswith("-") and "=" in a)  # Hydra reads overrides in one run
+    return [*argv[:first], *kept, *argv[first:]], kept, record
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Each loader refuses a damaged, truncated or hand-edited file in one sentence that names the file, the field
 and the fix (a ConfigError: exit code 2, no traceback), and returns typed values that need no second check:
 
-    run_state.py      a checkpoint's state.json and config.yaml, and checkpoints/latest
+    run_state.py      a checkpoint's state.json and config.yaml, checkpoints/latest, a run's .hydra/overrides.yaml
     metrics_log.py    metrics.jsonl (a last line cut short by a kill is dropped; any other bad line refused)
     latents.py        a latents folder's meta.json and stats.json
     fid_reference.py  an FID reference .npz (mu, sigma): size and finiteness, before any sample is drawn
@@ -23,11 +23,11 @@ from train.files.inception import check_weights
 from train.files.latents import LatentsMeta, LatentStats, read_meta, read_stats
 from train.files.metrics_log import read_metrics
 from train.files.prompt_table import TableHeader, read_header
-from train.files.run_state import CheckpointState, read_checkpoint_config, read_latest, read_state
+from train.files.run_state import CheckpointState, read_checkpoint_config, read_latest, read_overrides, read_state
 from train.files.typed import damaged, read_config, read_json, read_tensors, read_text, safetensors_metadata, tensor_shapes, typed
 from train.files.weights import read_weights
 
-__all__ = ["CheckpointState", "as_os_error", "LatentStats", "LatentsMeta", "TableHeader", "check_weights", "damaged", "read_checkpoint_config", "read_config",
+__all__ = ["CheckpointState", "as_os_error", "LatentStats", "LatentsMeta", "TableHeader", "check_weights", "damaged", "read_checkpoint_config", "read_overrides", "read_config",
            "read_header", "read_json", "read_latest", "read_meta", "read_metrics", "read_reference", "read_state", "read_stats",
            "read_tensors", "read_text", "read_weights", "safetensors_metadata", "tensor_shapes", "typed",
            "write_atomic"]

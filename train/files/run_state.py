@@ -1,4 +1,4 @@
-"""A run's state files: a checkpoint's state.json and config.yaml, and checkpoints/latest.
+"""A run's state files: a checkpoint's state.json and config.yaml, checkpoints/latest, and .hydra/overrides.yaml.
 
 The trainer writes each of them atomically, so a kill never leaves one half-written; what these loaders refuse
 was damaged or edited by hand, and each refusal names the file and what to do instead.
@@ -57,6 +57,18 @@ def read_checkpoint_config(folder: Path) -> DictConfig:
     if missing:
         raise damaged(path, f"has no {', '.join(missing)} section", OLDER)
     return cfg
+
+
+def read_overrides(path: Path) -> list[str]:
+    """A run's .hydra/overrides.yaml: the command line's overrides it was started with, a YAML list of strings."""
+    fix = "repeat the run's settings on the command line and restore or delete this file"
+    try:
+        overrides = yaml.safe_load(read_text(path, fix))
+    except yaml.YAMLError:
+        raise damaged(path, "is not valid YAML", fix) from None
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise damaged(path, "is not a list of overrides (such as backbone=rwkv)", fix)
+    return overrides
 
 
 def read_latest(ckpt_root: Path) -> str | None:

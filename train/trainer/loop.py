@@ -7,6 +7,7 @@ read, and images/s is the wall time over the steps since the previous read (the 
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -53,6 +54,7 @@ class Loop:
         budget = t.max_minutes * 60 if t.max_minutes else math.inf
         began = time.perf_counter()
         since = (self.step, began)  # the last read: images/s is measured over the steps after it
+        clock = began - self._seconds_logged()  # `seconds` goes on from the log a resumed run continues
         bar = tqdm(total=t.max_steps, initial=self.step, disable=not self.acc.is_main_process, desc="train", dynamic_ncols=True)
         self.in_loop = True
         try:
@@ -72,10 +74,11 @@ class Loop:
                     images_per_s = t.batch_size * (self.step - since[0]) / (now - since[1])
                     since = (self.step, now)
                     aligned = {"align": f"{self.last_aux['align']:.4f}"} if "align" in self.last_aux else {}
-                    bar.set_postfix(loss=f"{loss:.4f}", **aligned, img_s=f"{images_per_s:.0f}")
+                    postfix = dict(loss=f"{loss:.4f}", **aligned, img_s=f"{images_per_s:.0f}")
+                    bar.set_postfix(postfix)
                     if self.step % t.log_every == 0 or last or self.skipped_steps > skipped:
                         self._write("metrics.jsonl", self.logger.log, self.step, {
-                            "loss": loss, **self.last_aux, "images_per_s": images_per_s, "seconds": now - began,
+                            "loss": loss, **self.last_aux, "images_per_s": images_per_s, "seconds": now - clock,
                             "skipped_steps": self.skipped_steps})
                     self._check_streak()
                     # Save first: a failing preview must not cost the checkpoint of its step. No checkpoint while the
@@ -87,18 +90,33 @@ class Loop:
                     stop = None if last else signals.agreed(self.acc, reading=True)
                     if stop:
                         self._preempt(stop, saved)
-                    if previews and (self.step % previews == 0 or last):
+                    drawn = previews and (self.step % previews == 0 or last)
+                    if drawn:
+                        bar.set_postfix_str(f"drawing the preview grid of step {self.step}")
                         self.sample_grid()
-                    if cfg.fid.every and (self.step % cfg.fid.every == 0 or last):
+                    scored = cfg.fid.every and (self.step % cfg.fid.every == 0 or last)
+                    if scored:
+                        bar.set_postfix_str(f"scoring FID at step {self.step}")
                         self.evaluate_fid()
                     if last:
                         break
+                    if saved or drawn or scored:  # images_per_s times training steps, not what is done between them
+                        since = (self.step, time.perf_counter())
+                        bar.set_postfix(postfix)
         finally:
             self.in_loop = False
             bar.close()  # before any message of a stopped run, so it starts a line of its own
         self.logger.close()
         self._release_run_dir()
         return self.read_losses[first:]
+
+    def _seconds_logged(self) -> float:
+        """`seconds` of the last line of the log this run continues (0 for a fresh run)."""
+        for line, step in reversed(self._metrics):
+            seconds = json.loads(line).get("seconds") if step <= self.step else None
+            if isinstance(seconds, (int, float)):
+                return float(seconds)
+        return 0.0
 
     def _preempt(self, signum: int, saved: bool) -> None:
         """End the run for signal `signum` after this step: its checkpoint (unless written already, or unless the newest
