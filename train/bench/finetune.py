@@ -167,7 +167,7 @@ def main(argv=None) -> list[dict]:
     for family in args.models:
         r = measure(args, family)
         rows.append(r)
-        print(f"| {r['model']} | {r['params_m']:.1f} | {r['trainable_m']:.2f} | {r['depth']} | {r['tokens']} | {r['route']} | "
+        print(f"| {r['model']} | {r['params_m']:.2f} | {r['trainable_m']:.2f} | {r['depth']} | {r['tokens']} | {r['route']} | "
               f"{r['gflops_unrouted']:.1f} | {r['gflops_routed']:.1f} | {r['ideal']:.2f}x | {r['ms_unrouted']:.0f} | "
               f"{r['ms_routed']:.0f} | {r['measured']:.2f}x |", flush=True)
     return rows
