@@ -267,6 +267,13 @@ def test_a_bad_invocation_key_is_one_sentence_before_any_work(tmp_path, key):
     assert not (tmp_path / "bench" / "cost.json").exists()  # refused before the cost phase
 
 
+def test_measured_only_with_no_cell_is_refused_before_the_cost_phase_and_the_classifier(tmp_path):
+    bad = run_cli("train.bench", "bench=smoke", f"out_dir={tmp_path / 'bench'}", "measured_only=true")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    assert f"measured_only=true but {tmp_path / 'bench' / 'cells'} holds no cell of this grid" in bad.stderr
+    assert not (tmp_path / "bench").exists()  # nothing timed, trained or written
+
+
 def test_a_routed_cell_without_its_unrouted_cell_is_refused_under_a_step_budget(tmp_path):
     # Its budget is the unrouted step count x its measured speedup; without dit-none it used to train the unrouted count.
     bad = run_cli("train.bench", "bench=smoke", f"out_dir={tmp_path / 'bench'}", "grid.backbones=[dit]", "grid.routings=[random]",

@@ -184,6 +184,11 @@ def run(bench: DictConfig, record: HydraRecord | None = None) -> list[dict]:
         raise ConfigError("grid.skip removes every pair of the grid; keep at least one backbone-routing pair.")
     refuse_missing_costs(bench, pairs)
     check_saved(results)  # a saved result of the wrong shape: refused now, not minutes in
+    if measured_only and not any((results / "cells" / f"{c.name}.json").is_file() for c in cells):
+        # Before the cost phase and the classifier: minutes of work for a table of nothing.
+        raise ConfigError(f"measured_only=true but {(results / 'cells').resolve()} holds no cell of this grid (results_dir is "
+                          "read from the current folder); run from the repository root, pass results_dir=<folder of cost.json and "
+                          "cells/>, or run without measured_only to train them.")
     cfg = pairs[0].cfg
     dataset = build_dataset(cfg.data, cfg.edm.sigma_data)
     timing_shape = (dataset.shape[0], bench.timing.resolution, bench.timing.resolution)
