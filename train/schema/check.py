@@ -178,10 +178,12 @@ def config_error(err: BaseException, cfg: Any = None) -> ConfigError:
     if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
         path = str(cause.full_key)
         if isinstance(cause, (ConfigKeyError, AttributeError)) or "not in struct" in str(cause) or "not in '" in str(cause):
-            append = re.search(r"To append to your config use (\+\S+)", str(err))
+            append = re.search(r"To append to your config use (\+.+)", str(err))  # the override to the line's end
             parent = schema_for(path.rsplit(".", 1)[0], cfg) if "." in path else None
             if append and parent and _base_type(parent[0]) is dict:
-                return ConfigError(f"{path} is not in {path.rsplit('.', 1)[0]} yet; add it with a plus: {append.group(1)}.")
+                plus = append.group(1).strip()
+                plus = f"'{plus}'" if re.search(r"[\s{}\[\]]", plus) else plus  # as the shell must be given it
+                return ConfigError(f"{path} is not in {path.rsplit('.', 1)[0]} yet; add it with a plus: {plus}.")
             return unknown_key(path, cfg)
         if isinstance(cause, ValidationError):
             return wrong_type(path, cause.value if hasattr(cause, "value") else None, cfg)
