@@ -3,6 +3,7 @@ Fashion-MNIST cells alone."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -14,6 +15,14 @@ from train.bench.figure_align import FIRST_STEP, mean_curve, read_pairs
 from train.bench.figure_align import main as align_main
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "bench" / "fashion"
+
+
+def refused(command, argv: list[str], message: str, capsys) -> None:
+    """`command argv` ends with exit code 2 and one `error:` line matching `message`, as every refusal does."""
+    with pytest.raises(SystemExit) as stop:
+        command(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and re.search(message, err) and err.count("error:") == 1 and "Traceback" not in err, err
 
 
 def test_the_best_cells_are_the_lowest_mean_classifier_fd_of_each_family():
@@ -32,12 +41,11 @@ def test_the_figure_is_written(tmp_path):
     assert Image.open(tmp_path / "front.png").size[0] > 1000
 
 
-def test_a_folder_without_cells_or_samples_is_refused_in_one_sentence(tmp_path):
-    with pytest.raises(SystemExit, match="no cell files"):
-        main(["--results", str(tmp_path), "--out", str(tmp_path / "front.png")])
+def test_a_folder_without_cells_or_samples_is_refused_in_one_sentence(tmp_path, capsys):
+    refused(main, ["--results", str(tmp_path), "--out", str(tmp_path / "front.png")], "no cell files", capsys)
     shutil.copytree(RESULTS / "cells", tmp_path / "cells")
-    with pytest.raises(SystemExit, match="no sample grid .*dit-sprint-s0.png"):
-        main(["--results", str(tmp_path), "--out", str(tmp_path / "front.png")])
+    refused(main, ["--results", str(tmp_path), "--out", str(tmp_path / "front.png")], "no sample grid .*dit-sprint-s0.png",
+            capsys)
     assert not (tmp_path / "front.png").exists()
 
 
@@ -51,11 +59,11 @@ def test_the_alignment_pairs_hold_only_their_own_cells():
     assert steps[0] >= FIRST_STEP and all(lo <= m <= hi for m, lo, hi in zip(mean, low, high))
 
 
-def test_the_alignment_figure_is_written_or_refused(tmp_path):
+def test_the_alignment_figure_is_written_or_refused(tmp_path, capsys):
     align_main(["--results", str(RESULTS), "--out", str(tmp_path / "align.png")])
     assert Image.open(tmp_path / "align.png").size[0] > 1000
-    with pytest.raises(SystemExit, match="no family x recipe .* --align at an alignment it measured"):
-        align_main(["--results", str(RESULTS), "--align", "nonesuch", "--out", str(tmp_path / "other.png")])
+    refused(align_main, ["--results", str(RESULTS), "--align", "nonesuch", "--out", str(tmp_path / "other.png")],
+            "no family x recipe .* --align at an alignment it measured", capsys)
     assert not (tmp_path / "other.png").exists()
 
 
@@ -68,15 +76,14 @@ def test_the_alignment_table_compares_each_pair_at_equal_compute_and_at_a_matche
     fd = sum(c["classifier_fd"] for c in pairs["sra"]) / 3 - sum(c["classifier_fd"] for c in pairs["none"]) / 3
     assert row[4].startswith(f"{fd:+.1f} [") and row[6].endswith(f"(step {pairs['sra'][0]['train_steps'] // 100 * 100:,})")
     assert row[7].rstrip(" |").endswith(("wins", "loses", "ties"))  # weight 2's cells, dit-random-self-s*
-    with pytest.raises(SystemExit, match="no family x recipe"):
-        align_main(["--results", str(RESULTS), "--table", "--align", "nonesuch"])
+    refused(align_main, ["--results", str(RESULTS), "--table", "--align", "nonesuch"], "no family x recipe", capsys)
 
 
 @pytest.mark.parametrize("damage,message", [("{not json", "not a readable cell file"), ("[1, 2]", "not a bench cell file")])
-def test_a_damaged_cell_file_is_named_in_one_sentence_and_nothing_is_drawn(tmp_path, damage, message):
+def test_a_damaged_cell_file_is_named_in_one_sentence_and_nothing_is_drawn(tmp_path, damage, message, capsys):
     shutil.copytree(RESULTS / "cells", tmp_path / "cells")
     (tmp_path / "cells" / "dit-random-sra-s1.json").write_text(damage)
     for draw in (main, align_main):
-        with pytest.raises(SystemExit, match=f"dit-random-sra-s1.json is {message}"):
-            draw(["--results", str(tmp_path), "--out", str(tmp_path / "out.png")])
+        refused(draw, ["--results", str(tmp_path), "--out", str(tmp_path / "out.png")], f"dit-random-sra-s1.json is {message}",
+                capsys)
     assert not (tmp_path / "out.png").exists()

@@ -22,7 +22,9 @@ matplotlib.use("Agg")  # files only; no display on servers
 import matplotlib.pyplot as plt  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from routing import ConfigError  # noqa: E402
 from train.bench.stats import summary  # noqa: E402
+from train.cli import friendly_errors  # noqa: E402
 
 FAMILIES = {"dit": "DiT", "rwkv": "Diffusion-RWKV", "mamba": "Mamba", "diffmoe": "DiffMoE"}
 # The recipe bars, TREAD under each family's usual selection: random for attention, whole rows for scan-order models.
@@ -41,10 +43,10 @@ def load_cell(path: Path) -> dict:
     try:
         cell = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise SystemExit(f"error: {path} is not a readable cell file ({type(e).__name__}); restore it from git "
+        raise ConfigError(f"{path} is not a readable cell file ({type(e).__name__}); restore it from git "
                          "(git checkout -- <file>) or run `python -m train.bench` again to re-measure it.") from None
     if not isinstance(cell, dict) or not {"cell", "backbone", "routing", "seed"} <= cell.keys():
-        raise SystemExit(f"error: {path} is not a bench cell file (no cell, backbone, routing, seed keys); move it out of "
+        raise ConfigError(f"{path} is not a bench cell file (no cell, backbone, routing, seed keys); move it out of "
                          f"{path.parent}, which holds only `python -m train.bench`'s cell files.")
     return cell
 
@@ -86,13 +88,13 @@ def sample_tile(path: Path) -> Image.Image:
 def draw(results: Path, out: Path) -> None:
     cells = read_cells(results / "cells")
     if not cells:
-        raise SystemExit(f"error: no cell files of {', '.join(FAMILIES)} in {results / 'cells'}; point --results at a "
+        raise ConfigError(f"no cell files of {', '.join(FAMILIES)} in {results / 'cells'}; point --results at a "
                          "bench's results_dir (docs/bench/fashion holds the committed ones).")
     fds = fd_summaries(cells)
     best = best_cells(cells, fds)
     missing = [f"{results / 'samples' / c['cell']}.png" for c in best.values() if not (results / "samples" / f"{c['cell']}.png").is_file()]
     if missing:
-        raise SystemExit(f"error: no sample grid {', '.join(missing)}; copy it from the bench's out_dir "
+        raise ConfigError(f"no sample grid {', '.join(missing)}; copy it from the bench's out_dir "
                          "(bench_runs/<name>/samples/) beside the cells.")
 
     fig = plt.figure(figsize=(14, 6.2))
@@ -130,6 +132,7 @@ def draw(results: Path, out: Path) -> None:
     plt.close(fig)
 
 
+@friendly_errors
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m train.bench.figure", description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=Path("docs/bench/fashion"),

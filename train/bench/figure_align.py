@@ -30,8 +30,10 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display on servers
 import matplotlib.pyplot as plt  # noqa: E402
 
+from routing import ConfigError  # noqa: E402
 from train.bench.figure import FAMILIES, load_cell, recipe_routing  # noqa: E402
 from train.bench.stats import verdict, welch_difference  # noqa: E402
+from train.cli import friendly_errors  # noqa: E402
 
 RECIPES = {"none": "unrouted", "tread": "TREAD", "sprint": "SPRINT"}
 FIRST_STEP = 300  # earlier checkpoints' losses are several times the last ones and would flatten the part that differs
@@ -50,7 +52,7 @@ def read_pairs(cells: Path, align: str) -> dict[tuple[str, str], dict[str, list[
                 found[(family, recipe)] = sides
             unscored = [c["cell"] for cs in sides.values() for c in cs if not c.get("quality_curve", {}).get("step")]
             if unscored:
-                raise SystemExit(f"error: cell {unscored[0]} in {cells} has no quality curve (it was measured with "
+                raise ConfigError(f"cell {unscored[0]} in {cells} has no quality curve (it was measured with "
                                  "eval.every=0); measure it again with the bench's eval.every set (fashion: 100).")
     return found
 
@@ -59,7 +61,7 @@ def measured_pairs(results: Path, align: str) -> dict[tuple[str, str], dict[str,
     """read_pairs, refused in one sentence when no pair was measured with `align`."""
     pairs = read_pairs(results / "cells", align)
     if not pairs:
-        raise SystemExit(f"error: no family x recipe in {results / 'cells'} has both unaligned cells and cells named "
+        raise ConfigError(f"no family x recipe in {results / 'cells'} has both unaligned cells and cells named "
                          f"'<family>-<routing>-{align}-s<seed>.json'; point --results at a bench's results_dir "
                          "(docs/bench/fashion holds the committed ones) and --align at an alignment it measured (e.g. sra).")
     return pairs
@@ -139,6 +141,7 @@ def draw(results: Path, align: str, out: Path) -> None:
     plt.close(fig)
 
 
+@friendly_errors
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m train.bench.figure_align", description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=Path("docs/bench/fashion"),

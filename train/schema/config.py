@@ -27,7 +27,7 @@ class Config:
     finetune: FinetuneConfig = group(FinetuneConfig, "fine-tune a pretrained diffusers transformer instead of `backbone`")
     # Data and objective keys depend on the option (data.name, objective.name); their schemas are in
     # train/schema/data.py and objective.py, checked by check_config.
-    data: Any = key(None, "dataset (data=digits|shapes|fashion_mnist|latents); keys per dataset, see train/schema/data.py")
+    data: Any = key(None, "dataset (data=digits|shapes|fashion_mnist|latents|captions|videos); keys per dataset, see train/schema/data.py")
     objective: Any = key(None, "training objective (objective=edm|flow); keys per objective, see train/schema/objective.py")
     edm: EDMConfig = group(EDMConfig, "EDM settings")
     trainer: TrainerConfig = group(TrainerConfig, "optimisation, intervals, checkpoints")
