@@ -131,8 +131,9 @@ class Router:
         trained = self._unforced_routes if self._unforced_routes is not None else self.routes
         if selection_ratio > 0 and not trained:
             raise ConfigError(
-                f"route ratio {selection_ratio} needs routes to force, but this model has none; "
-                "give the routes it was trained with (routing=random or routing.routes=...)."
+                f"route ratio {selection_ratio} needs routes to force, but this model has none (it was trained without "
+                "routing); routed inference and routing guidance need a model trained with routes (e.g. routing=random), "
+                "so sample this one without them."
             )
         saved = self.routes, self.force, self._unforced_routes
         # Nested calls (a guidance branch inside a FLOPs count) start from the trained routes again.

@@ -99,4 +99,7 @@ def test_sample_command_writes_a_grid_from_ema_weights(tmp_path):
 
     assert Image.open(out).size[0] > 64
     bad = run_cli("train.sample", str(tmp_path / "nothing"))
+    assert bad.returncode == 2 and f"'{tmp_path / 'nothing'}' does not exist; pass runs/X" in bad.stderr
+    (tmp_path / "nothing").mkdir()
+    bad = run_cli("train.sample", str(tmp_path / "nothing"))
     assert bad.returncode == 2 and "neither a checkpoint folder nor a run folder" in bad.stderr

@@ -101,6 +101,14 @@ def test_every_difference_lands_in_exactly_one_class():
     assert sorted(c.split(":")[0] for c in changes.applied) == ["routing.routes[0].selection_ratio", "trainer.lr", "trainer.max_steps"]
 
 
+def test_a_policy_change_names_the_fusion_layer_the_way_it_goes():
+    tread = {"routing": {"policy": "random", "routes": [{**ROUTE, "mode": "tread"}]}}
+    sprint = {"routing": {"policy": "structured", "routes": [ROUTE]}}
+    policy = lambda changes: next(c for c in changes.refused if c.startswith("routing.policy"))  # noqa: E731
+    assert policy(classify(sprint, tread)).endswith("(the SPRINT route's fusion layer was trained on this policy's token layout)")
+    assert policy(classify(tread, sprint)).endswith("(the checkpoint has no SPRINT route, whose fusion layer this config adds)")
+
+
 def test_the_refusal_is_one_sentence_naming_parameter_keys_and_meaning_keys_apart():
     from train.trainer.changes import refusal
 

@@ -326,7 +326,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return path
     latest = latest_checkpoint(path / "checkpoints")
     if latest is None:
-        raise ConfigError(f"'{path}' is neither a checkpoint folder nor a run folder with checkpoints/latest; pass runs/X or runs/X/checkpoints/step_N.")
+        what = "does not exist" if not path.exists() else "is neither a checkpoint folder nor a run folder with checkpoints/latest"
+        raise ConfigError(f"'{path}' {what}; pass runs/X or runs/X/checkpoints/step_N.")
     return latest
 
 

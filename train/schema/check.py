@@ -281,6 +281,9 @@ def check_overrides(overrides: list[str]) -> None:
     except Exception:
         return  # a malformed override: composing reports it
     for override in parsed:
+        if override.key_or_group == "bench":  # configs/bench/ is the benchmark's group, beside the trainer's
+            raise ConfigError(f"{override.input_line} configures the benchmark, not a training run; run "
+                              f"`python -m train.bench {override.input_line.lstrip('+')}` (docs/benchmarks.md).")
         if override.is_delete() or override.is_sweep_override():
             continue
         found = schema_for(override.key_or_group)

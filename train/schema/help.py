@@ -34,7 +34,8 @@ def _lines(cls: type, prefix: str = "") -> list[str]:
 
 def help_template() -> str:
     lines = ["python -m train [group=option ...] [key=value ...]: train a diffusion model (docs/training.md).", "",
-             "== Config groups (group=option) ==", "$APP_CONFIG_GROUPS", "", "== Keys (key=value; declared in train/schema/) =="]
+             "== Config groups (group=option) ==", "$APP_CONFIG_GROUPS", "(bench: python -m train.bench's, not the trainer's)",
+             "", "== Keys (key=value; declared in train/schema/) =="]
     lines += _lines(Config)
     for section, options in (("data", DATA), ("objective", OBJECTIVES)):
         for option, cls in options.items():

@@ -31,6 +31,7 @@ WARN = {
 # fit the model this config builds. The others (the seed, edm.sigma_data) change what the weights mean.
 PARAMETER_KEYS = ("backbone.", "data.", "objective.", "finetune.", "routing.")
 FUSING_ROUTE = "the SPRINT route's fusion layer was trained on this policy's token layout"
+ADDED_FUSION = "the checkpoint has no SPRINT route, whose fusion layer this config adds"
 
 
 @dataclass
@@ -58,7 +59,7 @@ def classify(saved: Any, current: Any) -> Changes:
     for change in applied:
         key = change.split(":", 1)[0]
         if fuses and (key == "routing.policy" or key.startswith("routing.policy_kwargs")):
-            out.refused.append(f"{change} ({FUSING_ROUTE})")
+            out.refused.append(f"{change} ({FUSING_ROUTE if _fuses(saved) else ADDED_FUSION})")
         elif key.startswith("routing.routes[") and fuses:
             out.applied.append(change)  # a SPRINT route's ratio or path drop: its second stage
         elif (why := next((w for prefix, w in WARN.items() if key.startswith(prefix)), None)) is not None:

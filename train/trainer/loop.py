@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from edm import generate
-from train.build import describe_finetuning, finetune_family, sampling_objective
+from train.build import describe_finetuning, finetune_family, objective_name, sampling_objective
 from train.checkpoint import NonFiniteWeights, save_checkpoint
 from train.cli import Preempted, RunStopped, is_disk_full
 from train.data.validation_prompts import conditioned_on
@@ -47,7 +47,7 @@ class Loop:
         params = sum(p.numel() for p in self.backbone.parameters())
         model = (describe_finetuning(cfg, self.acc.unwrap_model(self.net)) if finetune_family(cfg) else
                  f"{cfg.backbone.name}-{cfg.backbone.preset}/{cfg.backbone.patch_size} ({params / 1e6:.2f}M params)")
-        self.acc.print(f"{model}, "
+        self.acc.print(f"{model}, objective={objective_name(cfg)}, "
                        f"routing={recipe(cfg.routing)}, data={cfg.data.name} {tuple(self.dataset.shape)}, "
                        f"{self.acc.num_processes} process(es) on {self.acc.device}, run_dir={self.run_dir}")
         first = len(self.read_losses)
