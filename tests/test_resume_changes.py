@@ -143,3 +143,6 @@ def test_a_resume_command_naming_only_the_run_continues_it_as_it_was_started(tmp
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
         f"error: '{split / '.hydra' / 'overrides.yaml'}' is not valid YAML; repeat the run's settings on the command line "
         "and restore or delete this file."]
+    (split / ".hydra" / "overrides.yaml").write_text("- backbone=[rwkv\n")
+    refused = run_cli("train", f"run_dir={split}", "resume=true", "trainer.max_steps=4")
+    assert refused.returncode == 2 and "overrides.yaml' holds an override Hydra cannot parse; repeat" in refused.stderr

@@ -205,8 +205,8 @@ def resumed_overrides(argv: list[str]) -> tuple[list[str], list[str], Path | Non
     if not record.is_file():
         return argv, [], None
     saved = read_overrides(record)
-    kept = [o for o, parsed in zip(saved, parser.parse_overrides(saved))
-            if parsed.key_or_group not in given and parsed.key_or_group not in COMMAND_ONLY]
+    keys = [o.key_or_group for o in parser.parse_overrides(saved)]
+    kept = [o for o, key in zip(saved, keys) if key not in given and key not in COMMAND_ONLY]
     first = next(i for i, a in enumerate(argv) if not a.startswith("-") and "=" in a)  # Hydra reads overrides in one run
     return [*argv[:first], *kept, *argv[first:]], kept, record
 

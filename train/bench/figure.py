@@ -44,10 +44,10 @@ def load_cell(path: Path) -> dict:
         cell = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path} is not a readable cell file ({type(e).__name__}); restore it from git "
-                         "(git checkout -- <file>) or run `python -m train.bench` again to re-measure it.") from None
+                          "(git checkout -- <file>) or run `python -m train.bench` again to re-measure it.") from None
     if not isinstance(cell, dict) or not {"cell", "backbone", "routing", "seed"} <= cell.keys():
         raise ConfigError(f"{path} is not a bench cell file (no cell, backbone, routing, seed keys); move it out of "
-                         f"{path.parent}, which holds only `python -m train.bench`'s cell files.")
+                          f"{path.parent}, which holds only `python -m train.bench`'s cell files.")
     return cell
 
 
@@ -89,13 +89,13 @@ def draw(results: Path, out: Path) -> None:
     cells = read_cells(results / "cells")
     if not cells:
         raise ConfigError(f"no cell files of {', '.join(FAMILIES)} in {results / 'cells'}; point --results at a "
-                         "bench's results_dir (docs/bench/fashion holds the committed ones).")
+                          "bench's results_dir (docs/bench/fashion holds the committed ones).")
     fds = fd_summaries(cells)
     best = best_cells(cells, fds)
     missing = [f"{results / 'samples' / c['cell']}.png" for c in best.values() if not (results / "samples" / f"{c['cell']}.png").is_file()]
     if missing:
         raise ConfigError(f"no sample grid {', '.join(missing)}; copy it from the bench's out_dir "
-                         "(bench_runs/<name>/samples/) beside the cells.")
+                          "(bench_runs/<name>/samples/) beside the cells.")
 
     fig = plt.figure(figsize=(14, 6.2))
     grid = fig.add_gridspec(2, 4, width_ratios=(1, 1, 0.3, 2.3), wspace=0.05, hspace=0.25)

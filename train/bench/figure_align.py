@@ -53,7 +53,7 @@ def read_pairs(cells: Path, align: str) -> dict[tuple[str, str], dict[str, list[
             unscored = [c["cell"] for cs in sides.values() for c in cs if not c.get("quality_curve", {}).get("step")]
             if unscored:
                 raise ConfigError(f"cell {unscored[0]} in {cells} has no quality curve (it was measured with "
-                                 "eval.every=0); measure it again with the bench's eval.every set (fashion: 100).")
+                                  "eval.every=0); measure it again with the bench's eval.every set (fashion: 100).")
     return found
 
 
@@ -62,8 +62,8 @@ def measured_pairs(results: Path, align: str) -> dict[tuple[str, str], dict[str,
     pairs = read_pairs(results / "cells", align)
     if not pairs:
         raise ConfigError(f"no family x recipe in {results / 'cells'} has both unaligned cells and cells named "
-                         f"'<family>-<routing>-{align}-s<seed>.json'; point --results at a bench's results_dir "
-                         "(docs/bench/fashion holds the committed ones) and --align at an alignment it measured (e.g. sra).")
+                          f"'<family>-<routing>-{align}-s<seed>.json'; point --results at a bench's results_dir "
+                          "(docs/bench/fashion holds the committed ones) and --align at an alignment it measured (e.g. sra).")
     return pairs
 
 

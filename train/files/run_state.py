@@ -68,6 +68,12 @@ def read_overrides(path: Path) -> list[str]:
         raise damaged(path, "is not valid YAML", fix) from None
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
         raise damaged(path, "is not a list of overrides (such as backbone=rwkv)", fix)
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # noqa: BLE001 -- Hydra raises several types for a line it cannot parse
+        raise damaged(path, "holds an override Hydra cannot parse", fix) from None
     return overrides
 
 
