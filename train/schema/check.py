@@ -167,6 +167,13 @@ def _known_keys(path: str, cfg: Any) -> list[str]:
 def unknown_key(path: str, cfg: Any = None) -> ConfigError:
     known = _known_keys(path, cfg)
     hint = f"; the keys there are {', '.join(known)}" if known else ""
+    parent, _, name = path.rpartition(".")
+    if parent in OPTION_SCHEMAS and (chosen := _option(cfg, parent)) is not None:
+        # Another option's key (a preset's data.frames under data=latents): name the options that have it.
+        owners = [o for o, schema in OPTION_SCHEMAS[parent].items() if o != chosen and name in {f.name for f in dataclasses.fields(schema)}]
+        if owners:
+            return ConfigError(f"{path} is a key of {' and '.join(f'{parent}={o}' for o in owners)}, not of {parent}={chosen}{hint} "
+                               f"(a preset such as +experiment=... may set it for its own {parent}).")
     return ConfigError(f"{path} is not a config key{hint} (a new key is declared in train/schema/).")
 
 
