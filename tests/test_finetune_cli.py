@@ -239,6 +239,7 @@ def test_bf16_base_weights_train_fp32_lora_and_sample(models, tmp_path):
         want = adapter(x, t, cond)
     with torch.no_grad():
         assert torch.equal(adapter(x, t, cond), want)
+        torch.testing.assert_close(adapter.reference(x, t, cond), want)  # the oracle too, in the base's precision
 
 
 def test_prompt_conditioned_maps_labels_to_their_table_rows(models):

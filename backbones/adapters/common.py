@@ -260,9 +260,14 @@ class RoutedTransformer(nn.Module):
         """Image tokens (B, N, D) -> velocity (B, C, H, W), with the model's own output layers."""
         raise NotImplementedError
 
+    def oracle(self, x: torch.Tensor, t: torch.Tensor, cond=None, **kwargs) -> torch.Tensor:
+        """The same mapping through the diffusers model's own forward (`reference` calls it in the base's precision)."""
+        raise NotImplementedError
+
     def reference(self, x: torch.Tensor, t: torch.Tensor, cond=None, **kwargs) -> torch.Tensor:
         """The same mapping through the diffusers model's own forward: the unrouted oracle."""
-        raise NotImplementedError
+        with self.base_precision(x.device):
+            return self.oracle(x, t, cond, **kwargs)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, cond=None, *, force_keep: torch.Tensor | None = None, **kwargs):
         """x (B, C, H, W), t (B,) or () in [0, 1]; cond: a dict of the family's inputs (or DiT's labels)."""

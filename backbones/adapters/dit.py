@@ -49,7 +49,7 @@ class DiTAdapter(RoutedTransformer):
         out = m.proj_out_2(m.norm_out(tokens) * (1 + scale[:, None]) + shift[:, None])  # (B, N, p * p * C_out)
         return unpatchify(out, grid, self.patch, channels_last=True)[:, : m.config.in_channels]
 
-    def reference(self, x, t, cond=None, **kwargs):
+    def oracle(self, x, t, cond=None, **kwargs):
         cond, _ = self.conditioning(cond, kwargs)
         t = t.reshape(-1).expand(x.shape[0])
         out = self.model(

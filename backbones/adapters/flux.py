@@ -194,7 +194,7 @@ class FluxAdapter(RoutedTransformer):
         out = self.model.proj_out(self.model.norm_out(tokens, stream.temb))  # (B, N, 4 C)
         return unpatchify(out, grid, 2, channels_last=False)
 
-    def reference(self, x, t, cond=None, **kwargs):
+    def oracle(self, x, t, cond=None, **kwargs):
         cond, _ = split_cond(cond, kwargs)
         args, grid = self.inputs(x, t.reshape(-1).expand(x.shape[0]), cond)
         out = self.model(**args, return_dict=False)[0]

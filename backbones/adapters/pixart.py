@@ -58,7 +58,7 @@ class PixArtAdapter(RoutedTransformer):
         out = m.proj_out(m.norm_out(tokens) * (1 + scale) + shift)  # (B, N, p * p * C_out)
         return unpatchify(out, grid, self.patch, channels_last=True)[:, : m.config.in_channels]
 
-    def reference(self, x, t, cond=None, **kwargs):
+    def oracle(self, x, t, cond=None, **kwargs):
         cond, _ = split_cond(cond, kwargs)
         t = t.reshape(-1).expand(x.shape[0])
         out = self.model(

@@ -43,7 +43,7 @@ class SD3Adapter(RoutedTransformer):
         out = self.model.proj_out(self.model.norm_out(tokens, stream.temb))  # (B, N, p * p * C)
         return unpatchify(out, grid, self.patch, channels_last=True)
 
-    def reference(self, x, t, cond=None, **kwargs):
+    def oracle(self, x, t, cond=None, **kwargs):
         cond, _ = split_cond(cond, kwargs)
         refuse_ip_adapter(cond.get("joint_attention_kwargs"), "joint_attention_kwargs")
         t = t.reshape(-1).expand(x.shape[0])

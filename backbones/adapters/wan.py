@@ -100,7 +100,7 @@ class WanAdapter(RoutedTransformer):
         out = (m.norm_out(tokens.float()) * (1 + scale) + shift).type_as(tokens)
         return unpatchify3d(m.proj_out(out), grid, self.patch)
 
-    def reference(self, x, t, cond=None, **kwargs):
+    def oracle(self, x, t, cond=None, **kwargs):
         cond, _ = split_cond(cond, kwargs)
         t = t.reshape(-1).expand(x.shape[0])
         return self.model(
