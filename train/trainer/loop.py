@@ -2,7 +2,8 @@
 
 Between logging steps the loop only counts; at a logging step (and wherever it checkpoints, samples, scores FID or
 ends) it reads the losses and the guard's counts from the device in one go. The progress bar shows the last loss
-read, and images/s is the wall time over the steps since the previous read (the read waits for them to finish).
+read, and images/s is the wall time over the steps since the previous read (the read waits for them to finish), or
+since the checkpoint, preview or FID score done after it, which are not training steps.
 """
 
 from __future__ import annotations
