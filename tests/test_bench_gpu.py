@@ -3,6 +3,7 @@ and a bad argument gets one sentence. The dry run runs the kernels through Trito
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -146,6 +147,23 @@ def test_fresh_caches_for_the_call_unless_the_environment_names_them(monkeypatch
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ and os.environ["TRITON_CACHE_DIR"] == str(tmp_path)
 
 
+def test_inductors_default_folder_written_by_torch_itself_is_not_taken_for_a_given_one(monkeypatch):
+    """Importing torch._dynamo writes Inductor's default folder into TORCHINDUCTOR_CACHE_DIR: that is not the user
+    naming a cache, so the call still compiles in a fresh one, and the variable is as it was afterwards."""
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    cache_dir()  # what torch does when it first asks for the folder
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir()
+    with gpu.fresh_caches() as caches:
+        assert caches == {"TORCHINDUCTOR_CACHE_DIR": "fresh", "TRITON_CACHE_DIR": "fresh"}
+        assert "gpu_check_caches_" in cache_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir() and "TRITON_CACHE_DIR" not in os.environ
+
+
 def test_a_call_killed_mid_run_keeps_the_report_of_the_sections_before(tmp_path, monkeypatch):
     """The report is written after every section: a call killed from outside (a device's time limit) leaves the report
     of what it measured, naming the sections it did not reach."""
@@ -160,6 +178,27 @@ def test_a_call_killed_mid_run_keeps_the_report_of_the_sections_before(tmp_path,
     assert [x["name"] for x in saved["sections"]] == ["families"] and saved["sections"][0]["status"] == "passed"
     md = (tmp_path / "report.md").read_text()
     assert "- attention: **not reached**" in md and "- dit-B-tread: **not reached**" in md
+
+
+@pytest.mark.parametrize("ending", [KeyboardInterrupt, RuntimeError])
+def test_a_section_ended_midway_keeps_the_records_it_finished(tmp_path, monkeypatch, ending):
+    """Each record is in the report as it lands: a call killed from outside mid-section (a device's time limit before
+    the hard stop) keeps them, marked unfinished; a section that raises keeps them beside its error."""
+    record = dict(family="dit", precision="fp32", shape="2x4x8x8", output_error=0.0, grad_error=0.0, worst_grad="w",
+                  grad_norm_error=0.0, tolerance=(1e-5, 1e-5), passed=True)
+
+    def two_then_end(*args):
+        yield record
+        yield {**record, "family": "rwkv"}
+        raise ending("the device's time ran out")
+
+    monkeypatch.setattr(gpu_checks, "family_checks", two_then_end)
+    with contextlib.nullcontext() if ending is RuntimeError else pytest.raises(KeyboardInterrupt):
+        gpu.main(["--dry-run", "--sections", "families", "--out", str(tmp_path)])
+    (section,) = json.loads((tmp_path / "report.json").read_text())["sections"]
+    assert [r["family"] for r in section["records"]] == ["dit", "rwkv"]
+    assert section["status"] == ("error" if ending is RuntimeError else "stopped") and "2 finished records kept" in section["note"]
+    assert "| rwkv | fp32 |" in (tmp_path / "report.md").read_text()
 
 
 def test_the_in_process_trainer_refusing_its_config_is_an_error_not_an_exit(capsys):

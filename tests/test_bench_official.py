@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from train.bench import gpu, gpu_report, official
+from train.bench import gpu, gpu_report, official, official_graphs
 
 ROUTING_MODULE = '''
 import torch
@@ -145,6 +145,98 @@ def test_ours_can_run_the_fp32_block_after_the_route_as_the_official_forward_doe
     for prof in row["profile"].values():
         assert prof["top"] and sum(prof["shares"].values()) == pytest.approx(1.0) and "matmul" in prof["shares"]
     assert "official routed step: " in out and "ours routed step: " in out
+
+
+# A stand-in whose blocks compile themselves and whose block after a route runs with CUDA's autocast off, as the
+# official forward's do (written here; the same three signatures reach the compiled block in a routed step).
+COMPILED_DIT = '''
+import torch
+from torch import nn
+
+from routing_module import Router
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.attn = nn.Linear(width, width)
+
+    @torch.compile
+    def forward(self, x):
+        return x + torch.tanh(self.attn(x))
+
+
+class DiT(nn.Module):
+    def __init__(self, input_size=8, patch_size=2, in_channels=4, hidden_size=32, depth=4, num_heads=2, num_classes=10,
+                 enable_routing=False, routes=None, **unused):
+        super().__init__()
+        self.p = patch_size
+        self.embed = nn.Linear(in_channels * patch_size ** 2, hidden_size)
+        self.blocks = nn.ModuleList(Block(hidden_size) for _ in range(depth))
+        self.out = nn.Linear(hidden_size, in_channels * patch_size ** 2)
+        self.enable_routing, self.route, self.router = enable_routing, routes[0], Router()
+
+    def forward(self, x, t, y):
+        b, c, h, w = x.shape
+        p = self.p
+        x = x.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(b, -1, c * p * p)  # (B, N, C p p)
+        x = self.embed(x).float()
+        routed, fp32_next = self.training and self.enable_routing, False
+        for i, block in enumerate(self.blocks):
+            if routed and i == self.route["start_layer_idx"]:
+                whole, ids = x, self.router.get_mask(x, self.route["selection_ratio"])
+                x = self.router.start_route(x, ids)
+            if fp32_next:
+                with torch.amp.autocast(device_type="cuda", enabled=False):
+                    x = block(x)
+                fp32_next = False
+            else:
+                x = block(x)
+            if routed and i == self.route["end_layer_idx"]:
+                x, fp32_next = self.router.end_route(x, ids, original_x=whole), True
+        return self.out(x).reshape(b, h // p, w // p, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)  # (B, C, H, W)
+
+
+DiT_models = {}
+
+
+def get_model(name, params):
+    return DiT_models[name](**params)
+'''
+
+
+def test_the_graph_ledger_names_the_graph_each_official_block_call_ran(tmp_path, capsys, monkeypatch):
+    """train.bench.official_graphs on a stand-in: which compiled graph served each block call, unrouted and routed."""
+    monkeypatch.setattr(official_graphs, "compile_fx", lambda gm, example_inputs: gm.forward)  # dynamo's graphs, run eager
+    folder = stand_in(tmp_path / "tread", dit=COMPILED_DIT)
+    ledger = official_graphs.main(["--tread", str(folder), "--depth", "8", "--width", "16", "--heads", "1",
+                                   "--input-size", "8", "--steps", "2"])
+    out = capsys.readouterr().out
+    graphs, calls = ledger["graphs"], ledger["calls"]
+
+    def served(step):  # {graph: block calls} of one step
+        return {int(key.split("graph ")[1]): n for key, n in calls.items() if key.startswith(step + " |")}
+
+    # Unrouted, every block runs a graph under autocast; the first step compiles one for the whole sequence.
+    (whole,) = served("unrouted 1")
+    assert served("unrouted 1")[whole] == 8 and not graphs[whole]["symbolic"] and graphs[whole]["modules"] == ["attn"]
+    assert sum(served("unrouted 2").values()) == 8 and all(graphs[g]["autocast"] for g in served("unrouted 2"))
+    # Routed (r2->4): the routed blocks on a recompile with a symbolic token count, block 5 (after the route, CUDA's
+    # autocast off, here applied to the CPU's) on a graph of its own without autocast; nothing compiles after step 1.
+    routed = served("routed 2")
+    off = [g["graph"] for g in graphs if not g["autocast"]]
+    assert len(off) == 1 and routed[off[0]] == 1 and sum(routed.values()) == 8 and len(graphs) == 3
+    assert any(graphs[g]["symbolic"] and graphs[g]["autocast"] for g in routed)
+    assert "| routed 2 |" in out and "graphs per compiled code object: {'0': 3}" in out
+
+
+@pytest.mark.parametrize("args, says", [(["--tread", "no-such-folder"], "is not a folder"),
+                                        (["--tread", ".", "--width", "30", "--heads", "4"], "--width 30 is not divisible by --heads 4")])
+def test_the_graph_ledger_refuses_bad_arguments_in_one_sentence(capsys, args, says):
+    with pytest.raises(SystemExit) as stop:
+        official_graphs.main(args)
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and says in err and "Traceback" not in err
 
 
 def _fair_row(saving_official, ideal_official, efficiency_official, efficiency_ours=0.9):

@@ -1,5 +1,8 @@
 """Next-batch prefetch gives exactly the batches, and so the losses, of loading on demand."""
 
+import gc
+import weakref
+
 import pytest
 
 from train.data.prefetch import Prefetcher
@@ -30,3 +33,17 @@ def test_a_prefetching_trainer_repeats_the_on_demand_losses(tmp_path):
     trainer = Trainer(compose_cfg(*common, f"run_dir={tmp_path / 'prefetch'}"))
     trainer.prefetcher = Prefetcher(trainer._load_batch, pin=False)  # the CUDA path, without pinning
     assert trainer.fit() == pytest.approx(plain, rel=0, abs=0)
+
+
+def test_a_trainer_with_a_prefetcher_is_freed_when_dropped(tmp_path):
+    """The trainer closes its prefetcher when collected (weakref.finalize, as on CUDA); the prefetcher must not hold
+    the trainer, or its model, EMA and optimizer state stay on the GPU for the rest of the process (the GPU check
+    runs a trainer and then other sections in one process)."""
+    trainer = Trainer(compose_cfg(*FAST, "trainer.max_steps=1", f"run_dir={tmp_path / 'run'}"))
+    trainer.prefetcher = Prefetcher(trainer._load_batch, pin=False)
+    weakref.finalize(trainer, trainer.prefetcher.close)  # as train/trainer/setup.py does on CUDA
+    trainer.fit()
+    pool, alive = trainer.prefetcher.pool, weakref.ref(trainer)
+    del trainer
+    gc.collect()
+    assert alive() is None and pool._shutdown  # freed, and its thread stopped

@@ -294,3 +294,21 @@ def test_missing_nvcc_is_one_sentence(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(ConfigError, match="needs nvcc"):
         ssc.check_compiler()
+
+
+@pytest.mark.parametrize("missing", ["ninja", "libcudart"])
+def test_what_load_inline_would_fail_on_minutes_in_is_one_sentence_first(monkeypatch, tmp_path, missing):
+    from torch.utils import cpp_extension
+
+    from routing.errors import ConfigError
+
+    home = tmp_path / "cuda"  # nvcc where CUDA_HOME says, the rest as the case has it
+    (home / "bin").mkdir(parents=True)
+    (home / "bin" / "nvcc").touch()
+    (home / "lib64").mkdir()
+    if missing != "libcudart":
+        (home / "lib64" / "libcudart.so").touch()
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(home))
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: missing != "ninja")
+    with pytest.raises(ConfigError, match="needs ninja" if missing == "ninja" else "has no lib64/libcudart.so"):
+        ssc.check_compiler()

@@ -151,7 +151,8 @@ def cuda_source() -> str:
 
 
 def check_compiler() -> None:
-    """Refuses in one sentence when nvcc, which the first call needs to build the kernels, is not found."""
+    """Refuses in one sentence what load_inline's first build would fail on, minutes in: no nvcc, no ninja, or a
+    CUDA_HOME (torch takes it from nvcc's folder when unset) without the CUDA runtime library it links."""
     from torch.utils import cpp_extension
 
     home = cpp_extension.CUDA_HOME
@@ -159,6 +160,13 @@ def check_compiler() -> None:
         raise ConfigError("TREAD_SCAN_BACKEND=cuda builds its kernels on first use and needs nvcc, which is not on "
                           "PATH or under CUDA_HOME; install the CUDA toolkit (or set CUDA_HOME), or use "
                           "TREAD_SCAN_BACKEND=triton.")
+    if not cpp_extension.is_ninja_available():
+        raise ConfigError("TREAD_SCAN_BACKEND=cuda builds its kernels with torch's load_inline, which needs ninja on PATH; "
+                          "pip install ninja (or put its binary on PATH), or use TREAD_SCAN_BACKEND=triton.")
+    if home and not any((Path(home) / lib / "libcudart.so").exists() for lib in ("lib64", "lib")):
+        raise ConfigError(f"TREAD_SCAN_BACKEND=cuda links the CUDA runtime from CUDA_HOME, but {home} has no "
+                          "lib64/libcudart.so (torch took the folder from nvcc's); set CUDA_HOME to the CUDA toolkit's "
+                          "folder (the one holding bin/nvcc and lib64), or use TREAD_SCAN_BACKEND=triton.")
 
 
 @functools.cache

@@ -263,10 +263,6 @@ def sections(s: Settings) -> list[Section]:
         # its three forward and six backward configs compiled and tuned, guessed.
         Section("kernel-speed-chunk64", "the selective scan with 64-step chunks, bf16", "kernel_speed", 40,
                 partial(kernel_speed, s, "bf16", short_chunks=True)),
-        # Issue 46's CUDA scan (backbones/ops/selective_scan_cuda.py): load_inline compiles it on the first call (minutes on
-        # 16 cores, a guess: 6-14 min on this project's 2-core CPU), then it is timed as the Triton rows are.
-        Section("kernel-speed-cuda", "the selective scan's CUDA backend (load_inline), bf16", "kernel_speed", 240,
-                partial(kernel_speed, s, "bf16", True)),
         # Issue 47's MFU goals also hold at the largest batch that fits: 128 is a guess for one 80 GB H100 (64 fitted in
         # the H100 runs; nothing searches for the largest). Not run yet: dit-XL-tread's compile and twice its stepping.
         Section("dit-XL-tread-b128", "DiT-XL/2, TREAD, batch 128", "steps", compiled(s, 158, REGIONS_XL, 34),
@@ -274,12 +270,17 @@ def sections(s: Settings) -> list[Section]:
         # Issue 46's cost curve: 96 eager cells, a Triton autotune per scan length; not run on a GPU yet, guessed.
         Section("scaling", "every family's step from 256 to 16,384 tokens (train.bench.scaling)", "scaling", 600,
                 partial(scaling_curve, s)),
+        # Issue 46's CUDA scan (backbones/ops/selective_scan_cuda.py): load_inline compiles it on the first call (minutes on
+        # 16 cores, a guess: 6-14 min on this project's 2-core CPU), then it is timed as the Triton rows are. Last: a
+        # fault in a kernel never run on a GPU would leave the CUDA context unusable for every section after it.
+        Section("kernel-speed-cuda", "the selective scan's CUDA backend (load_inline), bf16", "kernel_speed", 240,
+                partial(kernel_speed, s, "bf16", True)),
     ]
 
 
 SECTION_NAMES = ("families", "attention", "dit-XL-tread", "dit-XL-sprint", "dit-B-tread", "trainer", "kernels", "kernel-speed", "dit-S",
-                 "mamba-S", "rwkv-S", "dit-XL-whole", "dit-B-sprint", "kernel-speed-fp32", "kernel-speed-chunk64", "kernel-speed-cuda",
-                 "dit-XL-tread-b128", "scaling")
+                 "mamba-S", "rwkv-S", "dit-XL-whole", "dit-B-sprint", "kernel-speed-fp32", "kernel-speed-chunk64", "dit-XL-tread-b128",
+                 "scaling", "kernel-speed-cuda")
 OPTIONAL_SECTIONS = ("dit-XL-official",)  # only with --tread
 # The goals' sections that do not fit the default set's 8 minutes beside the others: the report names the call.
 SECOND_CALL = ("dit-S", "mamba-S", "rwkv-S")
@@ -299,18 +300,29 @@ def fresh_caches():
     names them (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR). Within the call identical graphs and kernels hit them
     (SPRINT's unrouted graph after the TREAD row's, the trainer's kernels after the bare step's); no compile time or
     first call is shortened by an earlier call on the same machine, so each row's first steps are a cold compile, as
-    the estimates and the compile goal assume. Yields {variable: "fresh" or the folder given}; removed afterwards."""
+    the estimates and the compile goal assume. Yields {variable: "fresh" or the folder given}; restored afterwards."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    from torch._inductor.utils import clear_caches
+
     with tempfile.TemporaryDirectory(prefix="gpu_check_caches_") as tmp:
-        given = {name: os.environ.get(name) for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+        before = {name: os.environ.get(name) for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+        # Importing torch._dynamo writes Inductor's default folder into the variable (cache_dir_utils.cache_dir), so
+        # by now the default reads as set: it counts as not given.
+        given = {name: None if name == "TORCHINDUCTOR_CACHE_DIR" and folder == default_cache_dir() else folder
+                 for name, folder in before.items()}
         for name, folder in given.items():
             if folder is None:
                 os.environ[name] = os.path.join(tmp, name.split("_")[0].lower())
+        clear_caches()  # Inductor's in-memory caches of what it read from the old folder
         try:
             yield {name: folder or "fresh" for name, folder in given.items()}
         finally:
-            for name, folder in given.items():
+            for name, folder in before.items():
                 if folder is None:
                     os.environ.pop(name, None)
+                else:
+                    os.environ[name] = folder
+            clear_caches()
 
 
 def _checked(records: list[dict]) -> dict:

@@ -4,7 +4,8 @@ A section starts only if its estimated time fits what is left of the budget; oth
 saying so (a shorter one later may still fit). A section still running at SECTION_STOP x its estimate (a compile
 that hangs) or at STOP_AFTER x the whole budget is stopped there (SIGALRM, in the main thread), so the sections
 after it keep their time and the report is always written. An exception in a section is recorded as one line,
-never a traceback, and the next section runs.
+never a traceback, and the next section runs. A stopped or failed section keeps the records it finished, and each
+record is in the report as soon as it lands.
 """
 
 from __future__ import annotations
@@ -42,11 +43,13 @@ class Progress:
     log: Callable[[str], None] = print
     began: float = 0.0
     clock: Callable[[], float] = time.monotonic
+    landed: Callable[[], None] = lambda: None  # after each record: the check rewrites its report
 
     def collect(self, records: Iterable[dict]) -> list[dict]:
         for record in records:
             self.records.append(record)
             self.log(f"[{self.clock() - self.began:5.0f} s]   {_describe(record)}")
+            self.landed()
         return self.records
 
 
@@ -104,6 +107,11 @@ def run_sections(sections: list[Section], budget_s: float, dry_run: bool = False
         log(f"[{elapsed:5.0f} s] {section.name}: {section.title} (about {estimate:.0f} s)")
         tic = clock()
         PROGRESS.records, PROGRESS.log, PROGRESS.began, PROGRESS.clock = [], log, began, clock
+        # Each finished record goes into the report at once, the section marked unfinished: a call killed from outside
+        # (a device's time limit, which may come before the hard stop) keeps what the section had measured.
+        PROGRESS.landed = lambda: after(results + [{
+            **result, "status": "stopped", "records": [{"section": section.name, **r} for r in PROGRESS.records],
+            "note": f"unfinished when this report was written; {len(PROGRESS.records)} finished records kept"}])
         overall = STOP_AFTER * budget_s - elapsed
         limit = overall if dry_run else min(overall, SECTION_STOP * estimate)
         try:
@@ -117,7 +125,11 @@ def run_sections(sections: list[Section], budget_s: float, dry_run: bool = False
                           note=f"still running after {limit:.0f} s ({why}), stopped; {len(PROGRESS.records)} finished records kept")
         except Exception as err:  # noqa: BLE001 - the report says what failed, and the check goes on
             lines = str(err).strip().splitlines() or [""]
-            result.update(status="error", note=f"{type(err).__name__}: {lines[0][:300]}")
+            result.update(status="error", records=[{"section": section.name, **r} for r in PROGRESS.records],
+                          note=f"{type(err).__name__}: {lines[0][:300]}"
+                               + (f"; {len(PROGRESS.records)} finished records kept" if PROGRESS.records else ""))
+        finally:
+            PROGRESS.landed = lambda: None  # no report of this call is written from outside it
         result["seconds"] = clock() - tic
         _release_memory()
         log(f"[{clock() - began:5.0f} s] {section.name}: {result['status']} in {result['seconds']:.0f} s"

@@ -43,7 +43,9 @@ def profile_call(call: Callable[[], None], device, top: int = 12) -> dict:
         call()
         if cuda:
             torch.cuda.synchronize(device)
-    rows = [(e.key, e.count, float(e.self_device_time_total if cuda else e.self_cpu_time_total)) for e in prof.key_averages()]
+    # On CUDA the kernels alone: a host-side event (cudaLaunchKernel) that kineto links to a kernel would count its time twice.
+    events = [e for e in prof.key_averages() if not cuda or e.device_type == torch.autograd.DeviceType.CUDA]
+    rows = [(e.key, e.count, float(e.self_device_time_total if cuda else e.self_cpu_time_total)) for e in events]
     rows = sorted((r for r in rows if r[2] > 0), key=lambda r: -r[2])
     total = sum(r[2] for r in rows)
     shares: dict[str, float] = {}

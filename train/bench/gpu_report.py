@@ -226,14 +226,14 @@ TABLES = {
                                f"{_goal(r)} | {_tuned_cell(r.get('tuned', {}))} |"),
     "official": ("| model | route | batch | compile | official ms unrouted | ours ms unrouted | official ms routed | ours ms routed | "
                  "official saving (its FLOPs predict) | our saving (our FLOPs predict) | ours / official routed | decides the goal | "
-                 "MFU ours unrouted | MFU ours routed | first steps s ours (graphs) | official first steps s | official copy (sha256) |",
+                 "MFU ours unrouted | MFU ours routed | first steps s ours (graphs) | official first steps s (graphs) | official copy (sha256) |",
                  lambda r: f"| DiT-{r['preset']}/2 ({r['tokens']} tokens) | {r['route']} | {r['batch']} | {_mode(r)} | "
                            f"{r['ms_official_unrouted']:.1f} | {r['ms_ours_unrouted']:.1f} | "
                            f"{r['ms_official_routed']:.1f} | {r['ms_ours_routed']:.1f} | "
                            f"{_ranged(r, 'saving_official', '.0%')} ({r['ideal_saving_official']:.0%}) | "
                            f"{_ranged(r, 'saving_ours', '.0%')} ({r['ideal_saving_ours']:.0%}) | {_ranged(r, 'ratio_routed', '.3f')}x | "
                            f"{'yes' if r['fair'] else '**no**'} | {_ranged(r, 'mfu_unrouted', '.1%')} | {_ranged(r, 'mfu_routed', '.1%')} | "
-                           f"{_f(r['first_s'], '.0f')} ({_f(r['graphs'], 'd')}) | {r['official_first_s']:.1f} | "
+                           f"{_f(r['first_s'], '.0f')} ({_f(r['graphs'], 'd')}) | {r['official_first_s']:.1f} ({_f(r.get('official_graphs'), 'd')}) | "
                            f"{r.get('official_sha256', '-')} |"),
     "scaling": (scaling.header(timed=True), lambda r: scaling.table_row(r, timed=True)),
     "trainer": ("| command | trainer images/s | bare step images/s | trainer / bare | first logged step s |",

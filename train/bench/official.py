@@ -334,7 +334,8 @@ def main(argv=None) -> list[dict]:
                   f"{r[f'ms_official_{kind}']:.1f} | {r[f'ms_ours_{kind}']:.1f} | {r[f'ratio_{kind}']:.3f}x{goal} | "
                   f"{_pct(r[f'mfu_{kind}'])} |")
         ours = "eager, not compiled" if r["compile_s"] is None else f"{r['compile_s']:.1f} s ({r['graphs']} graphs) compiling, with the first steps"
-        print(f"first unrouted + routed steps: ours {ours}; official {r['official_first_s']:.1f} s ({theirs})")
+        print(f"first unrouted + routed steps: ours {ours}; official {r['official_first_s']:.1f} s ({theirs}: "
+              f"{r['official_graphs']} graphs; python -m train.bench.official_graphs names which step runs which)")
         for side in ("official", "ours"):
             print(f"routing saves {side} {r[f'saving_{side}']:.0%} of its step (rounds {_range(r['rounds'][f'saving_{side}'], '.0%')}); "
                   f"its FLOPs predict {r[f'ideal_saving_{side}']:.0%}: efficiency {r[f'efficiency_{side}']:.2f}")

@@ -225,11 +225,10 @@ def timed_rows(groups: list[Group], device: torch.device, repeats: int, warmup: 
 
 
 def first_step(call: Callable[[], None], device: torch.device) -> int | None:
-    """Run a cell's first step, which shows whether it fits: its peak memory on CUDA, None elsewhere."""
-    if device.type == "cuda":
-        return peak_memory_bytes(call, device)
+    """Run a cell's first step, which shows whether it fits; on CUDA, the peak memory of the step after it, None
+    elsewhere. Not the first step's: the scans' Triton autotuning runs there, with a 256 MiB buffer of its own."""
     call()
-    return None
+    return peak_memory_bytes(call, device) if device.type == "cuda" else None
 
 
 def _free(device: torch.device) -> None:

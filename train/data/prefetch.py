@@ -7,6 +7,8 @@ comes next is known in advance and a prefetched batch is bit-identical to one lo
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -18,12 +20,15 @@ Batch = tuple[torch.Tensor | None, ...]
 
 class Prefetcher:
     def __init__(self, load: Callable[[Hashable], Batch], pin: bool):
-        self.load, self.pin = load, pin
+        # A bound method is held weakly: its owner (the trainer) owns this prefetcher and closes it when collected, so a
+        # strong reference back would keep the trainer, its model and optimizer state alive for the whole process.
+        self._load = weakref.WeakMethod(load) if inspect.ismethod(load) else lambda: load
+        self.pin = pin
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         self.pending: tuple[Hashable, Future] | None = None
 
-    def _load(self, key: Hashable) -> Batch:
-        batch = self.load(key)
+    def load(self, key: Hashable) -> Batch:
+        batch = self._load()(key)
         return tuple(None if t is None else t.pin_memory() for t in batch) if self.pin else batch
 
     def get(self, key: Hashable, following: Hashable | None) -> Batch:
@@ -31,8 +36,8 @@ class Prefetcher:
         if self.pending is not None and self.pending[0] == key:
             batch = self.pending[1].result()
         else:
-            batch = self._load(key)  # first call, or the order changed (resume): load on demand
-        self.pending = (following, self.pool.submit(self._load, following)) if following is not None else None
+            batch = self.load(key)  # first call, or the order changed (resume): load on demand
+        self.pending = (following, self.pool.submit(self.load, following)) if following is not None else None
         return batch
 
     def close(self) -> None:
