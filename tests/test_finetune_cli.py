@@ -220,6 +220,24 @@ def test_resume_continues_a_fine_tuning_run_exactly(models, tmp_path):
         load_run(run)
 
 
+@pytest.mark.parametrize("family, change, differs", [("flux", {"in_channels": 64}, "in_channels: 4 -> 64"),
+                                                     ("dit", {"num_embeds_ada_norm": 7}, "num_embeds_ada_norm: 10 -> 7")])
+def test_a_base_changed_since_the_checkpoint_is_named_not_the_data(models, tmp_path, family, change, differs):
+    """A base rewritten with other input channels (Flux) or classes (DiT) no longer fits the data either: resume and
+    load_run (train.sample) name the changed base, as the checkpoint records it, not the data."""
+    base, run = tmp_path / "base", tmp_path / "run"
+    shutil.copytree(models[family], base)
+    common = [*FAST, *finetune(models, family, f"finetune.pretrained={base}"), f"run_dir={run}", "trainer.ckpt_every=1"]
+    Trainer(compose_cfg(*common, "trainer.max_steps=1")).fit()
+    write_pretrained(family, base, **change)
+    want = rf"fine-tuned from a \w+ whose config differs in {differs} from the one in finetune.pretrained="
+    with pytest.raises(ConfigError, match=want):
+        Trainer(compose_cfg(*common, "trainer.max_steps=2", "resume=true"))
+    with pytest.raises(ConfigError, match=want):
+        load_run(run)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_0000001"]  # nothing lost
+
+
 def test_bf16_base_weights_train_fp32_lora_and_sample(models, tmp_path):
     """The fp32 LoRA trains on a bf16 base under autocast; the preview grid, train.sample and a bare call, which pass
     fp32 latents outside any autocast, run the base in bf16 as training did (they failed on its bf16 layers)."""

@@ -14,7 +14,8 @@ from timm.utils import ModelEmaV3
 from torch import nn
 
 from backbones import Backbone, build_backbone
-from backbones.adapters import PromptConditioned, adapt, add_lora, keep_labels, load_pretrained, lora_layers, lora_targets, resolution_shift
+from backbones.adapters import (PromptConditioned, adapt, add_lora, keep_labels, load_pretrained, lora_layers, lora_targets, model_config,
+                                resolution_shift)
 from edm import Objective, build_objective
 from routing import ConfigError, Router, build_policy, resolve_routes
 from train.compiling import compile_blocks, compile_mode, compile_network, compiled_graphs  # noqa: F401 (the trainer's imports)
@@ -105,15 +106,35 @@ def absolute_paths(cfg: DictConfig) -> None:
         OmegaConf.update(cfg, "sample.prompts", str(Path(prompts).expanduser().resolve()))
 
 
-def build_finetuned(cfg: DictConfig, dataset) -> nn.Module:
+def check_base(model: nn.Module, trained_from: tuple[str, dict | None] | None, pretrained: str) -> None:
+    """Refuse a base model in finetune.pretrained whose config differs from the one a checkpoint was fine-tuned from.
+
+    `trained_from`: (the checkpoint folder, the base config its state.json records); None, or no recorded config
+    (checkpoints written before it was recorded), checks nothing. Called as soon as the base is loaded, so that a changed
+    base is named before the data-fit checks would blame the data, and again when the weights are loaded."""
+    path, saved = trained_from or (None, None)
+    if not saved:
+        return
+    mine = model_config(model)
+    differ = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+    if differ:
+        changes = "; ".join(f"{k}: {saved.get(k)!r} -> {mine.get(k)!r}" for k in differ)  # trained -> now
+        raise ConfigError(f"checkpoint '{path}' was fine-tuned from a {type(model).__name__} whose config differs in "
+                          f"{changes} from the one in finetune.pretrained='{pretrained}'; point finetune.pretrained "
+                          "at the model it was trained from.")
+
+
+def build_finetuned(cfg: DictConfig, dataset, trained_from: tuple[str, dict | None] | None = None) -> nn.Module:
     """The pretrained model of `finetune`, ready to train on `dataset`: f(x, t, class_labels), as our backbones.
 
     Loaded from its local folder (base weights in finetune.dtype), LoRA added or every weight made trainable,
     adapted so its image tokens run through the router of cfg.routing, and for the text families conditioned
-    through the prompt table's class prompts.
+    through the prompt table's class prompts. `trained_from`: the checkpoint to be loaded into it and the base config
+    it records (check_base), so that a changed base is refused as such before the data is checked against it.
     """
     f = cfg.finetune
     model = load_pretrained(f.family, f.pretrained, torch_dtype=DTYPES[f.dtype])
+    check_base(model, trained_from, f.pretrained)
     if f.train == "lora":
         # Runs saved before finetune.lora.targets existed trained the attention projections.
         targets = f.lora.get("targets", "attention")
@@ -174,10 +195,11 @@ def token_grid(net, shape: tuple[int, ...], data: str, name: str, bucketed: bool
     return tuple(n // p for n, p in zip(sides, patch))
 
 
-def build_net(cfg: DictConfig, dataset) -> nn.Module:
-    """The trained network for `dataset`: D(x; sigma, labels) for EDM, v(z, t, labels) for flow."""
+def build_net(cfg: DictConfig, dataset, trained_from: tuple[str, dict | None] | None = None) -> nn.Module:
+    """The trained network for `dataset`: D(x; sigma, labels) for EDM, v(z, t, labels) for flow. `trained_from`: when
+    fine-tuning, the checkpoint to be loaded and its recorded base config (build_finetuned)."""
     if finetune_family(cfg):
-        return objective_for(cfg).wrap(build_finetuned(cfg, dataset))
+        return objective_for(cfg).wrap(build_finetuned(cfg, dataset, trained_from))
     return objective_for(cfg).wrap(build_backbone_for(cfg, dataset.shape, dataset.num_classes))
 
 

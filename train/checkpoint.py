@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from backbones.adapters import load_lora_state_dict, lora_state_dict, model_config, save_lora
 from routing import ConfigError
-from train.build import build_net, finetune_family, objective_for, pretrained_of
+from train.build import build_net, check_base, finetune_family, objective_for, pretrained_of
 from train.data import build_dataset
 from train.distributed import copy_into_shards, is_sharded
 from train.files import as_os_error, damaged, read_checkpoint_config, read_latest, read_state, read_tensors, write_atomic
@@ -107,13 +107,7 @@ def load_trained_state(net, state: dict, which: str, cfg: DictConfig) -> None:
             net.load_state_dict(tensors)
         return
     model = pretrained_of(net)
-    saved, mine = state.get("pretrained") or {}, model_config(model)
-    differ = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k)) if saved else []
-    if differ:
-        changes = "; ".join(f"{k}: {saved.get(k)!r} -> {mine.get(k)!r}" for k in differ)  # trained -> now
-        raise ConfigError(f"checkpoint '{state['path']}' was fine-tuned from a {type(model).__name__} whose config differs in "
-                          f"{changes} from the one in finetune.pretrained='{cfg.finetune.pretrained}'; point finetune.pretrained "
-                          "at the model it was trained from.")
+    check_base(model, (state["path"], state.get("pretrained")), cfg.finetune.pretrained)  # build_net checked it too, if told
     if _load_sharded(net, cfg, tensors):
         return
     if cfg.finetune.train == "lora":
@@ -338,7 +332,7 @@ def load_run(checkpoint: str | Path, device: str | torch.device = "cpu") -> Load
     cfg = state["config"]
     try:
         dataset = build_dataset(cfg.data, cfg.edm.sigma_data)
-        net = build_net(cfg, dataset)
+        net = build_net(cfg, dataset, trained_from=(path, state["pretrained"]))  # a changed base named before the data
         load_trained_state(net, state, "ema", cfg)
     except (OmegaConfBaseException, KeyError, TypeError, RuntimeError) as err:  # a config.yaml or weights edited by hand
         where = f" at {err.full_key}" if getattr(err, "full_key", None) else ""

@@ -8,8 +8,10 @@ import torch
 from omegaconf import DictConfig
 
 from routing import ConfigError
+from train.build import finetune_family
 from train.checkpoint import latest_checkpoint, load_checkpoint, load_trained_state
 from train.distributed import copy_into_shards, optimizer_from_names, shard_optimizer_state, trained_modules
+from train.files import read_state
 from train.metrics.alignment import align_name
 from train.trainer.changes import Changes, classify, refusal
 
@@ -17,12 +19,28 @@ from train.trainer.changes import Changes, classify, refusal
 class Resume:
     """The Trainer's resume."""
 
+    def _resume_path(self) -> Path | None:
+        """The checkpoint folder resume= names (None: no resume, or resume=auto|true with no checkpoint yet)."""
+        resume = self.cfg.resume
+        if not resume:
+            return None
+        return latest_checkpoint(self.run_dir / "checkpoints") if resume in (True, "auto", "latest") else Path(str(resume))
+
+    def _trained_base(self) -> tuple[str, dict | None] | None:
+        """When fine-tuning and resuming: the checkpoint and the base config its state.json records, for build_net to
+        compare with finetune.pretrained's before the data is checked against the base (None: nothing to compare; a
+        checkpoint that is no checkpoint is refused by _maybe_resume, later)."""
+        path = self._resume_path() if finetune_family(self.cfg) else None
+        if path is None or not (path / "state.json").is_file():
+            return None
+        return str(path), read_state(path).pretrained
+
     def _maybe_resume(self) -> None:
         resume = self.cfg.resume
         if not resume:
             return
         ckpt_root = self.run_dir / "checkpoints"
-        path = latest_checkpoint(ckpt_root) if resume in (True, "auto", "latest") else Path(str(resume))
+        path = self._resume_path()
         if path is None:
             if resume == "auto":
                 return

@@ -117,7 +117,7 @@ class SetUp:
         if len(self.dataset) == 0:
             raise ConfigError(f"data.name='{cfg.data.name}' has no samples; check data.path.")
         set_seed(cfg.seed)  # identical initial weights on every process and every run with this seed
-        net = build_net(cfg, self.dataset)
+        net = build_net(cfg, self.dataset, trained_from=self._trained_base())  # a changed base named before the data
         # sample.prompts, encoded once where previews are sampled (the main process; every process of a sharded run).
         here = preview_every(cfg) and (self.acc.is_main_process or self.acc.is_fsdp2)
         self.validation = encode_validation(cfg, net.model, self.acc.device, self.acc.print) if here else None
