@@ -173,7 +173,7 @@ def test_two_processes_give_the_same_fid_as_one(inception_weights, tmp_path):
     ref = image_folder(tmp_path / "ref", seed=5, brightness=128)
     args = ["--images", str(folder), "--ref", str(ref), "--inception", str(inception_weights), "--batch-size", "2"]
     one = fid_main([*args, "--out", str(tmp_path / "one.json")])
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29574",
               "-m", "train.fid", *args, "--out", str(tmp_path / "two.json")]
     result = subprocess.run(launch, cwd=ROOT, capture_output=True, text=True, timeout=600,

@@ -144,12 +144,13 @@ def test_two_processes_split_the_shards_and_match_one(cached, tmp_path):
     from conftest import ROOT
 
     out = tmp_path / "out"
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29573",
               "-m", "train.cache_latents", *cache_args(cached["images"], out, cached["vae"])]
     result = subprocess.run(launch, cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "0 of this process's 2 shards already done" in result.stderr  # two processes: shards 0 and 2 on the first
     assert json.loads((out / "meta.json").read_text()) == cached["meta"]
     for k in range(3):
         two, one = load_file(str(out / f"shard-0000{k}.safetensors")), load_file(str(cached["out"] / f"shard-0000{k}.safetensors"))

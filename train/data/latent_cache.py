@@ -282,7 +282,9 @@ def cache_latents(args: CacheSettings) -> dict | None:
     """Encode `args.images` into shards under `args.out`; returns meta.json's content on the main process."""
     from accelerate import Accelerator
 
-    accelerator = Accelerator()
+    # On a machine without a GPU, `accelerate launch --multi_gpu --num_processes N` starts N processes that join one
+    # gloo group only if the Accelerator is asked for the CPU; a plain one makes each a lone process encoding every shard.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
     args.align.prepare(accelerator.device)  # before the plan, which records the encoder's patch grid and width
     images, out = Path(args.images).expanduser().resolve(), Path(args.out).expanduser()
     if not images.is_dir():
