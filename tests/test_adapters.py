@@ -342,6 +342,11 @@ def test_the_documented_tiny_flux_fine_tuning_runs_end_to_end(tmp_path):
     losses = script["main"](["--steps", "2", "--batch", "2", "--out", str(tmp_path)])
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
     assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    # A second run into the same folder would write a new random base over the one the first LoRA was trained on.
+    written = (tmp_path / "pretrained" / "config.json").read_bytes()
+    with pytest.raises(SystemExit) as stop:
+        script["main"](["--steps", "2", "--out", str(tmp_path)])
+    assert stop.value.code == 2 and (tmp_path / "pretrained" / "config.json").read_bytes() == written
 
 
 @pytest.mark.parametrize("family", ["pixart", "dit"])

@@ -1,6 +1,6 @@
 """Fine-tune a tiny Flux-shaped transformer with TREAD routing and LoRA, end to end on a CPU, through the Python API.
 
-    python docs/figures/finetune_tiny_flux.py --steps 30 --out runs/tiny-flux
+    python docs/figures/finetune_tiny_flux.py --steps 30 --out runs/tiny-flux-lora
     python docs/figures/finetune_tiny_flux.py --write-pretrained weights/tiny-flux --latent-channels 1   # only write the model
 
 Without --pretrained, a tiny FluxTransformer2DModel with random weights is written to OUT/pretrained first and
@@ -38,6 +38,11 @@ def main(argv=None) -> list[float]:
     p.add_argument("--latent-channels", type=int, default=16, help="with --write-pretrained: input channels (FLUX.1's VAE: 16)")
     args = p.parse_args(argv)
     out = Path(args.out)
+    # Writing a model over an existing folder would change the base that runs fine-tuned from it were trained on.
+    target = Path(args.write_pretrained) if args.write_pretrained else None if args.pretrained else out / "pretrained"
+    if target is not None and target.exists():
+        p.error(f"{target} already exists, and a run fine-tuned from it needs it as it is; pick another folder"
+                + ("" if args.write_pretrained else f" (--out), or reuse the model with --pretrained {target}"))
     torch.manual_seed(args.seed)
     if args.write_pretrained:
         FluxTransformer2DModel(**{**TINY_FLUX, "in_channels": 4 * args.latent_channels}).save_pretrained(args.write_pretrained)
