@@ -146,3 +146,20 @@ def test_a_resume_command_naming_only_the_run_continues_it_as_it_was_started(tmp
     (split / ".hydra" / "overrides.yaml").write_text("- backbone=[rwkv\n")
     refused = run_cli("train", f"run_dir={split}", "resume=true", "trainer.max_steps=4")
     assert refused.returncode == 2 and "overrides.yaml' holds an override Hydra cannot parse; repeat" in refused.stderr
+
+
+def test_a_resume_that_selects_another_data_option_drops_the_runs_keys_of_its_own(tmp_path):
+    """Resuming another run's checkpoint with another data option: the run's data.* overrides belong to its own option
+    (data=shapes' num_images) and are dropped, said so, instead of being refused as keys of the command's data=digits;
+    then the checkpoint's own refusal (another data config) speaks."""
+    other = tmp_path / "shapes"
+    started = [*FAST, "data=shapes", "data.resolution=16", "data.num_images=64", "trainer.ckpt_every=2",
+               "trainer.log_with=none"]
+    assert run_cli("train", *started, f"run_dir={other}").returncode == 0
+    checkpoint = other / "checkpoints" / "step_0000002"
+    resumed = run_cli("train", *FAST, "data=digits", f"run_dir={tmp_path / 'digits'}", f"resume={checkpoint}")
+    assert ("not data.resolution=16 data.num_images=64: keys of the run's data=shapes, which data=digits replaces"
+            in resumed.stdout), resumed.stdout
+    assert resumed.returncode == 2 and len(resumed.stderr.strip().splitlines()) == 1, resumed.stderr
+    assert "was trained with a different data config" in resumed.stderr and "data.num_images" in resumed.stderr
+    assert "is a key of" not in resumed.stderr and not (tmp_path / "digits").exists()

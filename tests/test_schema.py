@@ -96,6 +96,17 @@ def test_cli_refuses_in_one_sentence_with_exit_code_2(override, message, tmp_pat
     assert not (tmp_path / "run").exists()  # refused before Hydra made the run folder
 
 
+def test_another_data_options_key_names_that_option_and_an_unknown_key_asks_for_its_spelling(tmp_path):
+    """A key of another data option given on the command line names the option that has it (the hint needs the options
+    the other overrides chose); a key nothing has asks the user to check its spelling, not to declare it in the
+    schema."""
+    result = run_cli("train", "data=latents", "data.frames=9", f"run_dir={tmp_path / 'run'}")
+    assert result.returncode == 2, result.stderr
+    assert "data.frames is a key of data=videos, not of data=latents" in result.stderr, result.stderr
+    result = run_cli("train", "trainer.nonsense=1", f"run_dir={tmp_path / 'run'}")
+    assert result.returncode == 2 and "check its spelling" in result.stderr and "train/schema" not in result.stderr
+
+
 def test_help_lists_every_key_with_its_range():
     result = run_cli("train", "--help")
     assert result.returncode == 0, result.stderr

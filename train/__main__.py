@@ -77,11 +77,12 @@ def cli(argv: list[str]) -> None:
     from train.rundir import resumed_overrides
 
     try:
-        argv, kept, record = resumed_overrides(argv)  # resume: the run's own settings, then the command's
+        argv, kept, record, dropped = resumed_overrides(argv)  # resume: the run's own settings, then the command's
     except ConfigError as err:  # a damaged .hydra/overrides.yaml
         refuse(err)
-    if kept and os.environ.get("RANK", "0") == "0":
-        print(f"resume: the run's own settings from {record}: {' '.join(kept)}")
+    if (kept or dropped) and os.environ.get("RANK", "0") == "0":
+        print(f"resume: the run's own settings from {record}: {' '.join(kept) or 'none'}"
+              f"{''.join(f'; {note}' for note in dropped)}")
     precompose("config", argv)  # a bad key, type or range: one sentence, exit 2, before any folder exists
     sys.argv = [sys.argv[0], *argv]  # Hydra reads its command line from sys.argv
     main()

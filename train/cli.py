@@ -112,7 +112,8 @@ def precompose(config_name: str, overrides: list[str], check: Callable[[DictConf
     except ConfigError as err:
         refuse(err)
     except Exception as err:  # Hydra and OmegaConf raise many types; each becomes one sentence
-        refuse(config_error(err) if training else _plain_config_error(config_name, err))
+        refuse(config_error(err, _composed_without(err, overrides)) if training
+               else _plain_config_error(config_name, err))
     try:
         (check or (check_config if training else lambda _: None))(cfg)
         if training and check is None and cfg.data.name == "captions":  # a missing caption or an unreadable image, before any work
@@ -128,6 +129,27 @@ def precompose(config_name: str, overrides: list[str], check: Callable[[DictConf
     if training:
         note_repeated_keys(overrides)  # valid, so only once every check passed: a refusal stays the one line
     return cfg
+
+
+def _composed_without(err: BaseException, overrides: list[str]) -> DictConfig | None:
+    """The training config composed without the override of the key `err` is about (None when that fails too): what
+    the other overrides chose, so that another option's key (data.frames under data=latents) names the option."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    cause = err
+    while not isinstance(cause, OmegaConfBaseException) and cause.__cause__ is not None:
+        cause = cause.__cause__
+    path = str(getattr(cause, "full_key", "") or "")
+    if not path:
+        return None
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        rest = [o.input_line for o in parsed if o.key_or_group != path]
+        with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+            return compose(config_name="config", overrides=rest)
+    except Exception:  # noqa: BLE001 -- the hint is optional; the refusal stands without it
+        return None
 
 
 def note_repeated_keys(overrides: list[str]) -> None:

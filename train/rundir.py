@@ -182,33 +182,71 @@ COMMAND_ONLY = ("run_dir", "resume", "overwrite")
 CONTINUE = ("true", "auto", "latest")
 
 
-def resumed_overrides(argv: list[str]) -> tuple[list[str], list[str], Path | None]:
+def resumed_overrides(argv: list[str]) -> tuple[list[str], list[str], Path | None, list[str]]:
     """A resume's command line: the overrides its run was started with (<run>/.hydra/overrides.yaml), then this
     command's, which replace them key by key. So `python -m train run_dir=R resume=true` continues R as it was
     started (rwkv, its routes, its batch), and `... trainer.max_steps=4000` changes that key alone; the trainer then
-    refuses what may not change on resume, as before. Returns (argv, the overrides taken from the run, the record);
-    argv unchanged where the command is no resume, names no run, or the run has no record (a fresh `resume=auto`)."""
+    refuses what may not change on resume, as before. A config group option the command selects (data=fashion_mnist)
+    other than the run's (data=videos) replaces the run's whole group, as choosing an option does: the run's keys under
+    it (data.frames) are dropped, not applied to the other option's schema. Returns (argv, the overrides taken from the
+    run, the record, the notes on the overrides dropped); argv unchanged where the command is no resume, names no run,
+    or the run has no record (a fresh `resume=auto`)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser = OverridesParser.create()
     try:
         given = {o.key_or_group: o for o in parser.parse_overrides([a for a in argv if not a.startswith("-")])}
     except Exception:  # noqa: BLE001 -- a malformed override: composing reports it in one sentence
-        return argv, [], None
+        return argv, [], None, []
     resume = given.get("resume")
     value = None if resume is None else resume.value()
     text = str(value).lower() if isinstance(value, (bool, str)) else None
     if text is None or text in ("false", "null", "none", "") or (text in CONTINUE and "run_dir" not in given):
-        return argv, [], None
+        return argv, [], None, []
     run = Path(str(given["run_dir"].value())) if text in CONTINUE else Path(str(value)).parent.parent  # a checkpoint's run
     record = run.expanduser() / ".hydra" / "overrides.yaml"
     if not record.is_file():
-        return argv, [], None
+        return argv, [], None, []
     saved = read_overrides(record)
-    keys = [o.key_or_group for o in parser.parse_overrides(saved)]
-    kept = [o for o, key in zip(saved, keys) if key not in given and key not in COMMAND_ONLY]
+    parsed = parser.parse_overrides(saved)
+    keys = [o.key_or_group for o in parsed]
+    # Groups whose option the command changes: the run's keys under them belong to the run's option, not the new one.
+    choices = _run_choices(run.expanduser(), parsed)
+    changed = {}
+    for group, o in given.items():
+        chosen = None if group not in GROUPS or o.is_delete() else str(o.value())
+        if chosen is not None and choices.get(group) not in (None, chosen):
+            changed[group] = (choices[group], chosen)
+    kept, dropped = [], {}
+    for o, key in zip(saved, keys):
+        if key in given or key in COMMAND_ONLY:
+            continue
+        group = next((g for g in changed if key.startswith(g + ".")), None)
+        if group is not None:
+            dropped.setdefault(group, []).append(o)
+        else:
+            kept.append(o)
+    notes = [f"not {' '.join(lines)}: keys of the run's {group}={changed[group][0]}, which {group}={changed[group][1]} "
+             "replaces (a new option starts from its own defaults)" for group, lines in dropped.items()]
     first = next(i for i, a in enumerate(argv) if not a.startswith("-") and "=" in a)  # Hydra reads overrides in one run
-    return [*argv[:first], *kept, *argv[first:]], kept, record
+    return [*argv[:first], *kept, *argv[first:]], kept, record, notes
+
+
+# Config groups (configs/<group>/): choosing another option of one replaces the group's keys.
+GROUPS = ("align", "backbone", "data", "experiment", "objective", "routing")
+
+
+def _run_choices(run: Path, saved: list) -> dict[str, str]:
+    """The option of each config group a run was trained with: Hydra's record (.hydra/hydra.yaml, its runtime choices),
+    else the group options of its overrides (a group it did not select is then unknown, and its keys stay)."""
+    choices = {o.key_or_group: str(o.value()) for o in saved if o.key_or_group in GROUPS and not o.is_delete()}
+    try:
+        recorded = OmegaConf.select(OmegaConf.load(run / ".hydra" / "hydra.yaml"), "hydra.runtime.choices")
+        recorded = {str(k): str(v) for k, v in OmegaConf.to_container(recorded).items()
+                    if k in GROUPS and v is not None}
+    except Exception:  # noqa: BLE001 -- no or a damaged record: the overrides are what is known
+        recorded = {}
+    return {**choices, **recorded}
 
 
 @dataclass

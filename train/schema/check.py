@@ -174,7 +174,8 @@ def unknown_key(path: str, cfg: Any = None) -> ConfigError:
         if owners:
             return ConfigError(f"{path} is a key of {' and '.join(f'{parent}={o}' for o in owners)}, not of {parent}={chosen}{hint} "
                                f"(a preset such as +experiment=... may set it for its own {parent}).")
-    return ConfigError(f"{path} is not a config key{hint} (a new key is declared in train/schema/).")
+    return ConfigError(f"{path} is not a config key{hint}; check its spelling "
+                       "(`python -m train --help` lists every key).")
 
 
 def config_error(err: BaseException, cfg: Any = None) -> ConfigError:
