@@ -250,6 +250,9 @@ CASES = [
     T("policy_kwargs_text", ["routing=l1norm", "routing.policy_kwargs.random_mix=abc"], names="routing.policy_kwargs.random_mix"),
     T("preset_data_key_under_other_data", ["+experiment=finetune_wan", "data=latents"], base=LATENTS,
       names="data.frames is a key of data=videos, not of data=latents"),
+    T("sprint_with_finetune_preset", ["+experiment=finetune_flux", "routing=sprint"], base=FRESH,  # not structured
+      names="routing=sprint trains SPRINT, whose fusion layer the pretrained flux model (finetune.family=flux) does "
+            "not have (and the finetune preset's routes replace SPRINT's"),
     T("bench_group", ["bench=quick"], names="configures the benchmark, not a training run; run `python -m train.bench bench=quick`"),
     T("policy_kwargs_without_plus", ["routing=structured", "routing.policy_kwargs={group: 4}"],  # the fix whole, quoted
       names="add it with a plus: '+routing.policy_kwargs={group: 4}'."),

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from routing import ConfigError
-from train.schema import check_config, check_overrides, config_error
+from train.schema import check_choices, check_config, check_overrides, config_error
 from train.schema.yaml_bools import check_yaml_booleans
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -109,6 +109,7 @@ def precompose(config_name: str, overrides: list[str], check: Callable[[DictConf
             cfg = compose(config_name=config_name, overrides=overrides)
             if training:  # a YAML file's quoted "true": OmegaConf would convert it in silence
                 check_yaml_booleans(config_name, overrides, cfg)
+                check_choices(overrides, cfg)  # a group option the composed config no longer honours (routing=sprint)
     except ConfigError as err:
         refuse(err)
     except Exception as err:  # Hydra and OmegaConf raise many types; each becomes one sentence

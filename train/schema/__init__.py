@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 
-from train.schema.check import check_config, check_overrides, config_error, numeric_keys, resume_changes, schema_for
+from train.schema.check import (check_choices, check_config, check_overrides, config_error, numeric_keys,
+                                resume_changes, schema_for)
 from train.schema.backbone import resolved_backbone
 from train.schema.config import Config
 from train.schema.help import help_template
@@ -29,5 +30,6 @@ def register() -> None:
 
 register()
 
-__all__ = ["APPLY", "REFUSE", "Config", "check_config", "check_overrides", "config_error", "key", "numeric_keys", "register", "resolved_backbone", "resume_changes",
+__all__ = ["APPLY", "REFUSE", "Config", "check_choices", "check_config", "check_overrides", "config_error", "key",
+           "numeric_keys", "register", "resolved_backbone", "resume_changes",
            "schema_for"]

@@ -299,6 +299,30 @@ def check_overrides(overrides: list[str]) -> None:
             raise wrong_type(override.key_or_group, override.value())
 
 
+def check_choices(overrides: list[str], cfg: Any) -> None:
+    """Refuse a config group option that the composed config no longer honours: routing=sprint (or sprint_finetune)
+    when fine-tuning a pretrained model, which has no fusion layer for SPRINT's route; under a finetune preset
+    (+experiment=finetune_*) the preset's routes would replace SPRINT's and the run would train structured TREAD in
+    silence, so the option itself is refused, as an explicit SPRINT route is (train/build.py)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    family = OmegaConf.select(cfg, "finetune.family", default=None)
+    if not family:
+        return
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # noqa: BLE001 -- a malformed override: composing reports it
+        return
+    for override in parsed:
+        option = None if override.key_or_group != "routing" or override.is_delete() else str(override.value())
+        if option is not None and option.startswith("sprint"):
+            replaced = "" if _fusing(OmegaConf.to_container(cfg.routing.routes)) else (
+                " (and the finetune preset's routes replace SPRINT's, which would train structured TREAD instead)")
+            raise ConfigError(f"{override.input_line} trains SPRINT, whose fusion layer the pretrained {family} model "
+                              f"(finetune.family={family}) does not have{replaced}; fine-tune with TREAD routes "
+                              "(routing=random or routing=structured).")
+
+
 def _check_trackers(value: Any) -> None:
     import importlib.util
 
