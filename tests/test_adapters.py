@@ -327,6 +327,19 @@ def test_pretrained_loads_from_a_local_folder_and_a_missing_one_says_what_to_fet
         load_pretrained("dit", tmp_path / "pipe")
 
 
+def test_a_pretrained_folder_with_config_json_but_no_weights_says_what_to_fetch(tmp_path):
+    """A download of config.json alone: one sentence naming the folder and the weights to fetch, before diffusers'
+    warning and its OSError ("no file named diffusion_pytorch_model.safetensors")."""
+    build("flux").save_pretrained(tmp_path / "pipe" / "transformer")
+    (tmp_path / "pipe" / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
+    for path in (tmp_path / "pipe", tmp_path / "pipe" / "transformer"):
+        with pytest.raises(ConfigError, match=r"transformer' holds the FluxTransformer2DModel's config.json but no "
+                                              r"weights \(diffusion_pytorch_model.safetensors, ") as err:
+            load_pretrained("flux", path)
+        fetch = f"--include 'transformer/*' --local-dir {tmp_path / 'pipe'}`."
+        assert "\n" not in str(err.value) and fetch in str(err.value)
+
+
 def test_adapt_refuses_unknown_models_and_bad_routes():
     with pytest.raises(ConfigError, match="no TREAD adapter for Linear"):
         adapt(torch.nn.Linear(2, 2))

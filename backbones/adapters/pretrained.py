@@ -70,6 +70,15 @@ def pretrained_folder(family: str, path: str | os.PathLike, what: str = "pretrai
 def load_pretrained(family: str, path: str | os.PathLike, torch_dtype: torch.dtype | None = None) -> nn.Module:
     """The family's diffusers transformer from `path` (its folder, or a pipeline folder with transformer/)."""
     folder = pretrained_folder(family, path)
+    weights = ("diffusion_pytorch_model*.safetensors", "diffusion_pytorch_model*.bin", "*.index.json")
+    if not any(any(folder.glob(pattern)) for pattern in weights):
+        # diffusers would print a warning and fail deep in from_pretrained (an OSError "no file named ...").
+        repo = PRETRAINED[family][1]
+        fetch = (f"`huggingface-cli download {repo} --include 'transformer/*' --local-dir {folder.parent}`"
+                 if folder.name == "transformer" else f"the files of {repo}'s transformer/ folder, beside config.json")
+        raise ConfigError(f"'{folder}' holds the {PRETRAINED[family][0]}'s config.json but no weights "
+                          "(diffusion_pytorch_model.safetensors, its shards with their .index.json, or a .bin); "
+                          f"fetch them too, e.g. {fetch}.")
     for weights in sorted(folder.glob("*.safetensors")):  # whole, from their headers: a download cut short is named
         tensor_shapes(weights, f"fetch the model again ({PRETRAINED[family][1]}); a download that stopped leaves such a file")
     try:
