@@ -73,3 +73,41 @@ def test_sampling_keeps_every_grid_and_names_the_rule(sprint_run):
     replaced = run_cli("train.sample", str(sprint_run), *common, "--pdg-scale", "2", "--overwrite")
     assert replaced.returncode == 0, replaced.stderr[-2000:]
     assert pdg.stat().st_mtime_ns != before[1]
+
+
+def test_defaults_that_differ_from_the_runs_previews_are_named_in_one_line_each():
+    from omegaconf import OmegaConf
+
+    from train.sample import preview_notes
+
+    wan_like = OmegaConf.create({"sample": {"guidance": 5.0, "steps": 30}})
+    assert preview_notes(parse_args(["runs/x"]), wan_like) == [
+        "note: guidance 1.0 (this run's previews use 5.0: --guidance 5 for those)",
+        "note: steps 40 (this run's previews use 30: --steps 30 for those)"]
+    # A flag the user gave is theirs, and settings the previews share need no word.
+    assert preview_notes(parse_args(["runs/x", "--guidance", "1", "--steps", "30"]), wan_like) == []
+    assert preview_notes(parse_args(["runs/x"]), OmegaConf.create({"sample": {"guidance": 1.0, "steps": 40}})) == []
+    assert preview_notes(parse_args(["runs/x", "--pdg-scale", "2"]), wan_like) == [  # no CFG beside path-drop guidance
+        "note: steps 40 (this run's previews use 30: --steps 30 for those)"]
+    args = parse_args(["runs/x"])
+    assert (args.guidance, args.steps) == (1.0, 40)  # the defaults that documented numbers use stay
+
+
+@pytest.mark.parametrize("made, message", [
+    ({".hydra/config.yaml": "a: 1\n", "metrics.jsonl": ""},
+     "is a run folder with no checkpoint yet; wait for its first one"),
+    ({"metrics.jsonl": "", "checkpoints/latest": "step_0000004\n"},
+     "is a run folder whose checkpoints/latest names step_0000004, which is missing"),
+    ({"notes.txt": "not a run"}, "is neither a checkpoint folder nor a run folder"),
+])
+def test_a_run_folder_without_a_checkpoint_says_so_in_one_sentence(tmp_path, made, message):
+    run = tmp_path / "run"
+    for name, text in made.items():
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(text)
+    result = run_cli("train.sample", str(run), "--steps", "2")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: '{run}' {message}"), line
+    if "no checkpoint yet" in message:
+        assert "trainer.ckpt_every" in line

@@ -60,6 +60,18 @@ def test_finetune_wan_trains_on_captioned_clips_and_writes_video_samples(tiny, t
     assert out.suffix == ".mp4" and imageio_ffmpeg.count_frames_and_secs(str(out))[0] == 5
     out = sample([str(run), "--steps", "2", "--per-class", "2", "--prompt", "a blue disk moving up"])
     assert out.suffix == ".gif" and Image.open(out).n_frames == 5
+    # --size sets the frame size (the clips' frame count stays); the preset previews at CFG 5, which a line says.
+    capsys.readouterr()
+    out = sample([str(run), "--steps", "2", "--per-class", "1", "--size", "48x16", "--out", str(tmp_path / "wide.gif")])
+    with Image.open(out) as grid:
+        # 4 preview captions, a 48x16 clip each, 1 px padding
+        assert grid.n_frames == 5 and grid.size == (48 + 2, 4 * 16 + 5)
+    assert "note: guidance 1.0 (this run's previews use 5.0: --guidance 5 for those)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        sample([str(run), "--steps", "2", "--size", "40x40", "--out", str(tmp_path / "odd.gif")])
+    assert exit_.value.code == 2 and not (tmp_path / "odd.gif").exists()
+    assert capsys.readouterr().err.strip() == ("error: --size 40x40 is not a multiple of 16 on each side (the VAE's "
+                                               "factor 8 x the model's patch 2); use --size 48x48.")
 
 
 def test_resume_continues_a_video_run_exactly_and_reuses_the_cache(tiny, tmp_path):

@@ -320,9 +320,28 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return path
     latest = latest_checkpoint(path / "checkpoints")
     if latest is None:
-        what = "does not exist" if not path.exists() else "is neither a checkpoint folder nor a run folder with checkpoints/latest"
-        raise ConfigError(f"'{path}' {what}; pass runs/X or runs/X/checkpoints/step_N.")
+        raise ConfigError(f"'{path}' {_no_checkpoint(path)}.")
     return latest
+
+
+# What a trainer writes into its run folder before the first checkpoint: a folder holding one is a run, not a typo.
+_RUN_MARKS = (".hydra", "metrics.jsonl", "config.yaml", "train.log", "checkpoints")
+
+
+def _no_checkpoint(path: Path) -> str:
+    """Why `path` gives no checkpoint to load, and what to do: a typo, a run with none yet, or a dangling `latest`."""
+    if not path.exists():
+        return "does not exist; pass runs/X or runs/X/checkpoints/step_N"
+    if not any((path / mark).exists() for mark in _RUN_MARKS):
+        return ("is neither a checkpoint folder nor a run folder with checkpoints/latest; pass runs/X or "
+                "runs/X/checkpoints/step_N")
+    named = read_latest(path / "checkpoints") if (path / "checkpoints").is_dir() else None
+    if named is not None:  # latest_checkpoint found neither it, its moved-aside copy, nor any other step_* folder
+        return (f"is a run folder whose checkpoints/latest names {named}, which is missing, and no other step_* folder "
+                f"is there; restore {named} into its checkpoints/ folder, or pass a checkpoint folder of another run")
+    return ("is a run folder with no checkpoint yet; wait for its first one (the trainer writes one every "
+            "trainer.ckpt_every steps and at the end), or, for a run trained with trainer.ckpt_every=0 (no "
+            "checkpoints), train it again with trainer.ckpt_every=N")
 
 
 def load_run(checkpoint: str | Path, device: str | torch.device = "cpu") -> Loaded:

@@ -33,11 +33,20 @@ from train.grid import VIDEO_SUFFIXES, grid_labels, save_grid
 from train.logger import recipe
 
 
+# The sampling that documented numbers use; a run's own previews (sample.guidance, sample.steps) may differ, which
+# `preview_notes` says rather than follows, so a command gives the same grid whichever run it samples.
+DEFAULTS = {"guidance": 1.0, "steps": 40}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(prog="python -m train.sample", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="run folder (uses its latest checkpoint) or a checkpoint folder")
-    parser.add_argument("--guidance", type=bounded(float, 0, 100, example="--guidance 2"), default=1.0, help="classifier-free guidance scale w (1 = off)")
-    parser.add_argument("--steps", type=bounded(int, 1, example="--steps 40"), default=40, help="sampler steps (network evaluations: 1 per Euler step, 2 per Heun step)")
+    # Default None: `preview_notes` tells a default from a flag the user gave; parse_args fills in DEFAULTS.
+    parser.add_argument("--guidance", type=bounded(float, 0, 100, example="--guidance 2"),
+                        help=f"classifier-free guidance scale w (1 = off; default {DEFAULTS['guidance']:g})")
+    parser.add_argument("--steps", type=bounded(int, 1, example="--steps 40"),
+                        help="sampler steps (network evaluations: 1 per Euler step, 2 per Heun step; default "
+                             f"{DEFAULTS['steps']})")
     parser.add_argument("--sampler", default="heun", choices=["heun", "euler"])
     parser.add_argument("--objective", choices=["edm", "flow"], help="refuse the checkpoint unless it was trained with this objective")
     parser.add_argument("--seed", type=bounded(int, 0, example="--seed 0"), default=0)
@@ -49,8 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "per prompt, as --prompt")
     parser.add_argument("--flux-guidance", type=bounded(float, 0, 100, example="--flux-guidance 3.5"),
                         help="Flux's distilled guidance for a guidance-embedding model (FLUX.1-dev; default: the run's finetune.guidance)")
-    parser.add_argument("--size", type=pixel_size, help="image size WIDTHxHEIGHT in pixels (captioned runs; default: their most "
-                        "common bucket)")
+    parser.add_argument("--size", type=pixel_size, help="image or frame size WIDTHxHEIGHT in pixels (runs on captioned "
+                        "images or clips; default: their most common bucket, or the clips' size)")
     add_sampling_rule_flags(parser)
     parser.add_argument("--rg-bad", help="routing guidance: a weaker checkpoint as the weak branch (autoguidance-style)")
     parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
@@ -60,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--overwrite", action="store_true", help="replace the grid file if it exists (by default it is kept "
                         "and the command refuses)")
     args = parser.parse_args(argv)
+    args.given = {name for name in DEFAULTS if getattr(args, name) is not None}
+    for name in DEFAULTS.keys() - args.given:
+        setattr(args, name, DEFAULTS[name])
     check_sampling_rule_flags(parser, args)
     if args.prompts_file is not None:
         if args.prompt:
@@ -76,7 +88,8 @@ def main(argv: list[str] | None = None) -> Path:
     if args.out is None and not os.access(out.parent, os.W_OK | os.X_OK):  # checked before sampling, not after
         raise ConfigError(f"cannot write the grid to {str(out.parent)!r} (not writable); pass --out PATH in a folder you can write to.")
     loaded = load_run(args.checkpoint, args.device)
-    if len(latent_shape(loaded.dataset, args.size)) == 4 and out.suffix.lower() not in VIDEO_SUFFIXES:
+    shape = latent_shape(loaded.dataset, args.size, model_patch(loaded.net))
+    if len(shape) == 4 and out.suffix.lower() not in VIDEO_SUFFIXES:
         out = out.with_suffix(".gif")  # video samples: save_grid writes an animated grid
     if out.exists() and not args.overwrite:
         raise ConfigError(f"'{out}' exists (samples of these options, or another grid); pass --overwrite to replace it, or "
@@ -87,7 +100,7 @@ def main(argv: list[str] | None = None) -> Path:
         raise ConfigError(f"checkpoint '{loaded.checkpoint}' was trained with objective={trained}, not --objective {args.objective}; "
                           f"drop the flag or pass --objective {trained}.")
     ds, net, router = loaded.dataset, loaded.net, loaded.net.model.router
-    classes, shape = ds.num_classes, latent_shape(ds, args.size)
+    classes = ds.num_classes
     if args.prompt:
         flag = "--prompts-file" if args.prompts_file else "--prompt"
         if args.classes:
@@ -114,6 +127,8 @@ def main(argv: list[str] | None = None) -> Path:
     sampled = with_routing_guidance(net, router, args.rg_scale, args.rg_gamma1, args.rg_gamma2, unconditional=args.rg_uncond,
                                     null_label=classes, bad_net=bad, bad_router=bad.model.router if bad else None)
     sampled = with_path_drop_guidance(sampled, router, args.pdg_scale, classes)
+    for note in preview_notes(args, loaded.cfg):
+        print(note)
     report_flops(net, sampled, router, args, shape, classes)
     objective = sampling_objective(loaded.cfg, loaded.objective, net.model, shape)  # a fine-tuning run's grid shift
     x = generate(sampled, labels, shape=shape, steps=args.steps, guidance=args.guidance, seed=args.seed, device=args.device,
@@ -190,16 +205,46 @@ def pixel_size(text: str) -> tuple[int, int]:
     return width, height
 
 
-def latent_shape(ds, size: tuple[int, int] | None) -> tuple[int, ...]:
-    """The sampled shape: the dataset's, or (C, H/f, W/f) of a pixel size for a captioned run (f: its VAE's factor)."""
+def latent_shape(ds, size: tuple[int, int] | None, patch: int = 1) -> tuple[int, ...]:
+    """The sampled shape: the dataset's, or of a pixel size for a run on captioned images, (C, H/f, W/f), or clips,
+    (C, T', H/f, W/f) with the clips' latent frames (f: the VAE's spatial factor). `patch`: the model's patch side in
+    latent pixels, which each side must hold a whole number of."""
     if size is None:
         return ds.shape
     if not hasattr(ds, "space"):
-        raise ConfigError("--size is for runs trained on captioned folders (data=captions); this run samples its data's shape.")
-    factor, width, height = ds.space["factor"], *size
-    if width % factor or height % factor:
-        raise ConfigError(f"--size {width}x{height} must be a multiple of the VAE's factor {factor} on each side.")
-    return (ds.shape[0], height // factor, width // factor)
+        raise ConfigError("--size is for runs trained on captioned images or clips (data=captions, data=videos); this "
+                          "run samples its data's shape, so drop --size.")
+    video = len(ds.shape) == 4
+    factor = ds.space["spatial" if video else "factor"]  # the video cache names its spatial and temporal factors apart
+    (width, height), step = size, factor * patch
+    if width % step or height % step:
+        near = [max(step, (side + step // 2) // step * step) for side in (width, height)]  # the nearest, halves up
+        raise ConfigError(f"--size {width}x{height} is not a multiple of {step} on each side (the VAE's factor "
+                          f"{factor} x the model's patch {patch}); use --size {near[0]}x{near[1]}.")
+    return (*ds.shape[:-2], height // factor, width // factor)
+
+
+def model_patch(net) -> int:
+    """The model's patch side in latent pixels (height and width; a video model's (t, h, w) patch gives h)."""
+    model = net.model
+    patch = getattr(model, "patch", None) or getattr(model, "patch_size", 1)
+    return int(patch[-1] if isinstance(patch, (tuple, list)) else patch)
+
+
+def preview_notes(args: argparse.Namespace, cfg) -> list[str]:
+    """One line per sampling setting left at its default that differs from the run's own previews (sample.guidance,
+    sample.steps): the defaults stay, so a grid is comparable across runs, but the user learns how to match them."""
+    preview = cfg.get("sample") or {}
+    notes = []
+    for name in ("guidance", "steps"):
+        theirs = preview.get(name)
+        if name in args.given or theirs is None or float(theirs) == float(getattr(args, name)):
+            continue
+        if name == "guidance" and args.pdg_scale != 1:
+            continue  # path-drop guidance takes CFG's place: --guidance is refused beside it
+        ours = getattr(args, name)
+        notes.append(f"note: {name} {ours} (this run's previews use {theirs}: --{name} {theirs:g} for those)")
+    return notes
 
 
 def report_flops(net, sampled, router, args, shape, classes) -> None:
