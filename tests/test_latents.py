@@ -287,3 +287,39 @@ def test_scale_applies_a_shifted_vae_convention_and_decodes_back(cached, tmp_pat
     torch.testing.assert_close(dataset.from_model_space(x), z)  # what the VAE decodes
     # An SD-VAE cache (no shift) reads as before.
     assert build(data_cfg(cached["out"], normalize="scale"), sigma_data=0.5).shift_factor == 0.0
+
+
+def test_a_folder_that_is_no_vae_is_refused_naming_the_fix(cached, tmp_path, capsys):
+    """A transformer's folder ended in a TypeError deep in diffusers, a pipeline's in advice to download the VAE."""
+    from train.cli import friendly_errors
+
+    pipeline = tmp_path / "pipeline"
+    shutil.copytree(cached["vae"], pipeline / "vae")
+    index = {"_class_name": "FluxPipeline", "vae": ["diffusers", "AutoencoderKL"]}
+    (pipeline / "model_index.json").write_text(json.dumps(index))
+    (pipeline / "transformer").mkdir()
+    transformer = {"_class_name": "FluxTransformer2DModel", "patch_size": 1}
+    (pipeline / "transformer" / "config.json").write_text(json.dumps(transformer))
+    for vae, message in [
+        (pipeline / "transformer", "holds a FluxTransformer2DModel, not a diffusers AutoencoderKL; pass a diffusers "
+                                   "AutoencoderKL folder"),
+        (pipeline, f"holds a diffusers pipeline (model_index.json), not a VAE; pass its VAE subfolder, "
+                   f"--vae {pipeline / 'vae'}"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            friendly_errors(cache_latents)(cache_args(cached["images"], tmp_path / "out", vae))
+        err = capsys.readouterr().err.strip()
+        assert exit_.value.code == 2 and "\n" not in err and f"VAE folder '{vae}' {message}" in err, err
+    assert not (tmp_path / "out").exists()
+    assert load_vae(str(pipeline / "vae")).config.latent_channels == 4  # the fix it names works
+
+
+@pytest.mark.parametrize("size, nearest", [(15, "--size 12 or --size 16"), (18, "--size 16 or --size 20"),
+                                           (9, "--size 8 or --size 12")])
+def test_a_size_whose_latents_no_patch_tiles_is_refused_with_the_nearest_ones(cached, tmp_path, size, nearest):
+    # The tiny VAE halves each side (factor 2) and every model's patch is at least 2: sizes are multiples of 4.
+    with pytest.raises(ConfigError) as err:
+        cache_latents(cache_args(cached["images"], tmp_path / "out", cached["vae"], "--size", str(size)))
+    assert str(err.value) == (f"--size {size} is not a multiple of 4 (the VAE's factor 2 x the smallest patch 2), so "
+                              f"its latents would not split into a model's patches; use {nearest}.")
+    assert not (tmp_path / "out").exists()

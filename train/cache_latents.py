@@ -19,7 +19,7 @@ from train.cli import ArgumentParser, bounded, existing, friendly_errors, output
 from routing import ConfigError
 from train.data.images import list_images
 from train.data.latent_cache import DTYPES, AlignInputs, CacheSettings, cache_latents
-from train.data.latents import DEFAULT_VAE
+from train.data.latents import DEFAULT_VAE, vae_factor
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -75,9 +75,26 @@ def check_labels_file(images: Path, labels_file: Path) -> None:
                           f"{str(images)!r} (first: {missing[0]!r}); write each path relative to --images, or drop those rows.")
 
 
+# The smallest patch of every model that trains on latents: the backbones' patch_size and the adapters' (Flux packs
+# 2x2 latent pixels into a token), so a latent side must be even.
+SMALLEST_PATCH = 2
+
+
+def check_size(size: int, vae: str) -> None:
+    """Refuse an image size whose latents no model could split into patches (15 px: 7 x 7 latents), before the VAE
+    loads and anything is written."""
+    factor = vae_factor(vae)
+    step = factor * SMALLEST_PATCH
+    if size % step:
+        near = " or ".join(f"--size {n}" for n in (size - size % step, size - size % step + step) if n >= step)
+        raise ConfigError(f"--size {size} is not a multiple of {step} (the VAE's factor {factor} x the smallest patch "
+                          f"{SMALLEST_PATCH}), so its latents would not split into a model's patches; use {near}.")
+
+
 def main(argv: Sequence[str] | None = None) -> dict | None:
     """Run the caching; returns meta.json's content on the main process."""
     args = parse_args(argv)
+    check_size(args.size, args.vae)
     if args.labels_file and Path(args.images).expanduser().is_dir():
         check_labels_file(Path(args.images), Path(args.labels_file))
     settings = {k: v for k, v in vars(args).items() if not k.startswith("align_")}

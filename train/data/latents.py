@@ -28,7 +28,7 @@ import torch
 
 from routing.errors import ConfigError
 from train.data.latents_space import resolve_normalize
-from train.files import read_meta, read_stats
+from train.files import read_config, read_meta, read_stats
 
 DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
 NORMALIZE_MODES = ("standardize", "scale")
@@ -46,15 +46,11 @@ def load_vae(vae: str, device: torch.device | str = "cpu", dtype: torch.dtype = 
     """Load a diffusers AutoencoderKL from a local folder or a hub id, with one clear error offline."""
     from diffusers import AutoencoderKL
 
-    # A path-like string that does not exist is a typo, not a hub id: say so without touching the network.
-    looks_local = os.path.isabs(vae) or vae.startswith((".", "~")) or vae.count("/") != 1
-    if looks_local and not Path(vae).expanduser().is_dir():
-        raise ConfigError(
-            f"VAE folder {vae!r} does not exist: pass a folder holding config.json and the weights "
-            f"(e.g. from `huggingface-cli download {DEFAULT_VAE} --local-dir /path/to/sd-vae-ft-ema`)."
-        )
+    folder = local_vae(vae)
+    if folder is not None:
+        vae_config(folder)  # another model's folder (a transformer's, a pipeline's) would fail deep inside diffusers
     try:
-        model = AutoencoderKL.from_pretrained(str(Path(vae).expanduser()) if looks_local else vae, torch_dtype=dtype)
+        model = AutoencoderKL.from_pretrained(str(folder) if folder is not None else vae, torch_dtype=dtype)
     except (OSError, ValueError) as error:
         raise ConfigError(
             f"Could not load the VAE {vae!r} ({type(error).__name__}); without network, run "
@@ -63,6 +59,60 @@ def load_vae(vae: str, device: torch.device | str = "cpu", dtype: torch.dtype = 
             f"data.vae=/path/to/sd-vae-ft-ema)."
         ) from error
     return model.to(device).eval().requires_grad_(False)
+
+
+def local_vae(vae: str) -> Path | None:
+    """The folder `vae` names, or None for a hub id; a path-like string that is no folder is refused (a typo, not a
+    hub id: said without touching the network)."""
+    folder = Path(vae).expanduser()
+    if folder.is_dir():
+        return folder
+    if os.path.isabs(vae) or vae.startswith((".", "~")) or vae.count("/") != 1:
+        raise ConfigError(
+            f"VAE folder {vae!r} does not exist: pass a folder holding config.json and the weights "
+            f"(e.g. from `huggingface-cli download {DEFAULT_VAE} --local-dir /path/to/sd-vae-ft-ema`)."
+        )
+    return None
+
+
+# The class load_vae builds: the image VAE of SD, SDXL, SD3 and Flux. Its video kin (AutoencoderKLWan, ...) take
+# other configs and weights, so a folder of theirs is refused as any other model's is.
+VAE_CLASS = "AutoencoderKL"
+
+
+def vae_config(folder: Path) -> dict:
+    """config.json of a local VAE folder; a folder of another model (a pipeline, its transformer) is refused in one
+    sentence that names the fix: a pipeline's vae/ subfolder, when there is one."""
+    inner = folder / "vae"
+    fix = (f"pass its VAE subfolder, --vae {inner} (data.vae={inner} in training)" if (inner / "config.json").is_file()
+           else f"pass a diffusers {VAE_CLASS} folder (e.g. from `huggingface-cli download {DEFAULT_VAE} --local-dir "
+                "/path/to/sd-vae-ft-ema`)")
+    if not (folder / "config.json").is_file():
+        pipeline = (folder / "model_index.json").is_file()
+        what = "a diffusers pipeline (model_index.json)" if pipeline else "no config.json"
+        raise ConfigError(f"VAE folder '{folder}' holds {what}, not a VAE; {fix}.")
+    config = read_config(folder / "config.json")
+    name = config.get("_class_name")
+    if name != VAE_CLASS and not (name is None and {"latent_channels", "block_out_channels"} <= config.keys()):
+        raise ConfigError(f"VAE folder '{folder}' holds a {name or 'model of unknown class'}, not a diffusers "
+                          f"{VAE_CLASS}; {fix}.")
+    return config
+
+
+def vae_factor(vae: str) -> int:
+    """Image pixels per latent pixel of `vae`: from a local folder's config.json, or a hub id's in the local cache;
+    8, every released AutoencoderKL's, for a hub id not downloaded yet."""
+    folder = local_vae(vae)
+    if folder is not None:
+        config = vae_config(folder)
+    else:
+        from diffusers import AutoencoderKL
+
+        try:
+            config = AutoencoderKL.load_config(vae, local_files_only=True)
+        except (OSError, ValueError):
+            return 8
+    return 2 ** (len(config.get("block_out_channels") or [0] * 4) - 1)
 
 
 def read_shard_header(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
