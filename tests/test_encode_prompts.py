@@ -94,3 +94,17 @@ def test_random_stand_in_from_the_command_line(tmp_path, capsys):
         main(["--family", "wan", "--random", "5,24", "--prompts", "a", "--out", str(tmp_path / "w.safetensors")])
     assert exit_.value.code == 2 and "so no run reads a Wan prompt table" in capsys.readouterr().err
     assert not (tmp_path / "w.safetensors").exists()
+
+
+def test_an_existing_table_is_kept_unless_overwrite(tmp_path):
+    """Runs read their table again to resume and sample: a second command into the same --out refuses, unless told."""
+    out = tmp_path / "p.safetensors"
+    command = ["--family", "pixart", "--random", "5,24", "--out", str(out)]
+    assert run_cli("train.encode_prompts", *command, "--prompts", "a T-shirt", "a trouser").returncode == 0
+    before = out.read_bytes()
+    again = run_cli("train.encode_prompts", *command, "--prompts", "a dress")
+    assert again.returncode == 2 and "Traceback" not in again.stderr and out.read_bytes() == before
+    (line,) = again.stderr.strip().splitlines()
+    assert line.startswith(f"error: '{out}' exists (a prompt table") and "--overwrite" in line and "--out PATH" in line
+    assert run_cli("train.encode_prompts", *command, "--prompts", "a dress", "--overwrite").returncode == 0
+    assert read_table(out, "pixart").prompts == ["a dress", ""]

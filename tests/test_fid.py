@@ -182,3 +182,33 @@ def test_two_processes_give_the_same_fid_as_one(inception_weights, tmp_path):
     two = json.loads((tmp_path / "two.json").read_text())
     assert two["num_images"] == 5
     assert two["fid"] == pytest.approx(one, rel=1e-4)
+
+
+def test_identical_folders_print_zero(inception_weights, small_input, tmp_path, capsys):
+    same = image_folder(tmp_path / "same", seed=0, brightness=255)
+    common = ["--inception", str(inception_weights), "--batch-size", "3"]
+    assert fid_main(["--images", str(same), "--ref", str(same), *common]) == 0.0  # rounding below 0 is 0, not -0.0000
+    assert capsys.readouterr().out.startswith("FID 0.0000 (3 images")
+
+
+def test_a_corrupt_image_is_named(inception_weights, small_input, tmp_path):
+    from conftest import run_cli
+
+    same = image_folder(tmp_path / "same", seed=0, brightness=255)
+    common = ["--inception", str(inception_weights), "--batch-size", "3"]
+    broken = image_folder(tmp_path / "broken", seed=1, brightness=255)
+    (broken / "1.png").write_bytes(b"\x89PNG definitely not an image")
+    result = run_cli("train.fid", "--images", str(broken), "--ref", str(same), "--out", str(tmp_path / "fid.json"),
+                     *common)
+    assert result.returncode == 2 and "Traceback" not in result.stderr and not (tmp_path / "fid.json").exists()
+    assert result.stderr.strip().splitlines()[-1] == (f"error: image '{broken / '1.png'}' is unreadable "
+                                                      "(UnidentifiedImageError); replace or delete it.")
+
+
+def test_only_rounding_below_zero_is_zero():
+    from train.metrics.frechet import frechet_distance
+
+    mu, sigma = np.zeros(2), np.eye(2)
+    assert frechet_distance(mu, sigma, mu, sigma) == 0.0 and str(frechet_distance(mu, sigma, mu, sigma)) == "0.0"
+    # Not covariances (a negative variance): the negative distance is a fault to see, not rounding to hide.
+    assert frechet_distance(mu, -sigma, mu, np.zeros((2, 2))) == -2.0

@@ -17,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from routing import ConfigError
 from train.cli import ArgumentParser, bounded, device, existing, friendly_errors, writable_file
 from train.data.prompts import DTYPES, PIPELINES, encode_table, random_table, write_table
 from train.files import read_text
@@ -40,6 +41,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     prompts.add_argument("--prompts", nargs="+", help="one prompt per class, in class order")
     prompts.add_argument("--prompts-file", type=existing("prompts file"), help="a text file with one prompt per line, in class order")
     parser.add_argument("--out", required=True, type=writable_file, help="the table's path (.safetensors)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the table at --out if it exists (by default "
+                        "it is kept and the command refuses: runs that read it could no longer resume or sample)")
     parser.add_argument("--max-sequence-length", type=bounded(int, 1, 4096, example="--max-sequence-length 77"),
                         help="text tokens per prompt (default: the pipeline's, e.g. 512 for Flux); fewer makes a smaller table")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
@@ -47,6 +50,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--seed", type=bounded(int, 0, example="--seed 0"), default=0, help="seed of --random")
     args = parser.parse_args(argv)
+    if args.out.exists() and not args.overwrite:  # refused before the text encoders load, as train.sample's grid is
+        raise ConfigError(f"'{args.out}' exists (a prompt table: runs that read it through finetune.prompts= could no "
+                          "longer resume or sample if it changed); pass --overwrite to replace it, or --out PATH to "
+                          "write elsewhere.")
     if args.family == "wan":  # encode_table serves Wan's caption cache and train.sample --prompt, not a table
         parser.error("Wan trains on captioned clips (data=videos), each caption encoded into the data's cache, so no run "
                      "reads a Wan prompt table; write a caption beside each clip (docs/finetuning_video.md)")

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from backbones.diffmoe import set_inference_capacity
 from edm import Objective, generate, with_path_drop_guidance, with_routing_guidance
 from routing.errors import ConfigError
+from train.data.captions import UNREADABLE
 from train.data.images import image_files, load_image
 from train.metrics.frechet import feature_statistics, frechet_distance
 from train.files import read_reference
@@ -79,13 +80,23 @@ def _fid_images(folder: Path) -> list[Path]:
     return files
 
 
+def _read_image(file: Path, size: int | None) -> torch.Tensor:
+    """An image of a scored folder; one that cannot be decoded is named, as the data loaders name theirs."""
+    try:
+        return load_image(file, size)
+    except UNREADABLE as err:
+        if isinstance(err, OSError) and err.errno is not None:
+            raise  # the file system's fault (permissions, a full disk): the command names it with its own fix
+        raise ConfigError(f"image '{file}' is unreadable ({type(err).__name__}); replace or delete it.") from None
+
+
 def folder_features(folder: Path, extractor, accelerator, batch_size: int, size: int | None = None) -> torch.Tensor:
     """Inception features (n, 2048) of every image in a folder, split across processes."""
     files = _fid_images(folder)
     mine = list(range(accelerator.process_index, len(files), accelerator.num_processes))
     features = []
     for start in tqdm(range(0, len(mine), batch_size), desc="real", disable=not accelerator.is_main_process):
-        images = [load_image(files[i], size) for i in mine[start : start + batch_size]]
+        images = [_read_image(files[i], size) for i in mine[start : start + batch_size]]
         if len({tuple(image.shape) for image in images}) > 1:
             raise ConfigError(f"images in {str(folder)!r} differ in size: pass --size N to centre-crop them to N x N.")
         features.append(inception_features(extractor, torch.stack(images), batch_size))
