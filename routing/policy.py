@@ -122,14 +122,17 @@ class ForceKeep:
         return ForceKeep(self.mask.pin_memory(), self.host)
 
 
-def check_force_keep(force_keep: torch.Tensor | ForceKeep, n: int) -> ForceKeep:
-    """The mask as a ForceKeep, once its shape is checked against the route's n tokens."""
+def check_force_keep(force_keep: torch.Tensor | ForceKeep, n: int, batch: int | None = None) -> ForceKeep:
+    """The mask as a ForceKeep, once its shape is checked against the route's n tokens (and `batch` samples)."""
     mask = force_keep.mask if isinstance(force_keep, ForceKeep) else force_keep
     if mask.dtype != torch.bool or mask.ndim != 2 or mask.shape[1] != n:
         raise ConfigError(
             f"force_keep must be a (batch, {n}) bool mask over the route's tokens, got {tuple(mask.shape)} "
             f"{mask.dtype}; pool a pixel mask to the token grid first."
         )
+    if batch is not None and mask.shape[0] != batch:
+        raise ConfigError(f"force_keep has {mask.shape[0]} rows but the batch has {batch} samples; give one mask row "
+                          f"per sample, ({batch}, {n}).")
     keep = ForceKeep.of(force_keep)
     if keep.host.shape != tuple(mask.shape):
         raise ConfigError(f"a ForceKeep's host copy {keep.host.shape} does not match its mask {tuple(mask.shape)}; build both from one mask.")
@@ -171,7 +174,7 @@ class RandomRouting(RoutingPolicy):
         if force_keep is None:
             return Selection(random_subset(scores, self.num_processed(grid, selection_ratio)), None)
         # Scores above 1 make the forced tokens win; the other slots go to uniformly random tokens.
-        keep = check_force_keep(force_keep, n)
+        keep = check_force_keep(force_keep, n, b)
         k = forced_size(keep.host, n, selection_ratio)
         return Selection(random_subset(scores.masked_fill(keep.mask, 2.0), k), None)
 
@@ -203,7 +206,7 @@ class RowRouting(RoutingPolicy):
         if force_keep is None:
             h_keep = self.rows_processed(grid, selection_ratio)
         else:
-            keep = check_force_keep(force_keep, f * h * w)
+            keep = check_force_keep(force_keep, f * h * w, b)
             forced_rows = keep.mask.reshape(b * f, h, w).any(-1)  # (B, f * h * w) -> (B * f, h)
             h_keep = forced_size(keep.host.reshape(b * f, h, w).any(-1), h, selection_ratio)  # the same rows, on the host
             scores = scores.masked_fill(forced_rows, 2.0)
@@ -245,7 +248,7 @@ class L1NormRouting(RoutingPolicy):
         # The norm/random split applies to the unforced tokens: sample b keeps its F_b forced tokens, its
         # round((1 - mix) k_b) highest-norm others and random ones, with k_b = floor((N - F_b)(1 - ratio)).
         b, n, _ = x.shape
-        keep = check_force_keep(force_keep, n)
+        keep = check_force_keep(force_keep, n, b)
         k = forced_size(keep.host, n, selection_ratio)
         force_keep = keep.mask
         n_free = n - force_keep.sum(1)  # (B,)
@@ -343,7 +346,7 @@ class StructuredRouting(RoutingPolicy):
         scores = uniform_scores(b, n, generator, x.device)  # (B, N), one per token in raster order
         members = _group_members(grid, extents, x.device)  # (G, group size): raster index of every member of every group
         if force_keep is not None:
-            keep = check_force_keep(force_keep, n)
+            keep = check_force_keep(force_keep, n, b)
             counts = keep.host[:, _group_members(grid, extents)].sum(-1)  # (B, N) -> (B, G) forced tokens per group, on the host
             if counts.max() > s:
                 # Each group keeps max(s, its forced count): the batch's largest sum is the subset size.

@@ -232,6 +232,23 @@ def test_force_keep_tokens_are_always_processed(family, policy):
                 assert not processed.all()
 
 
+@pytest.mark.parametrize("form", ["tokens", "pixels"])
+def test_a_force_keep_mask_of_another_batch_or_not_bool_is_refused_in_one_sentence(form):
+    """Through an adapted model's forward (force_keep in its conditioning): a mask with 3 rows for 2 samples, or a float
+    mask (which .bool() turned into all-forced for every non-zero weight), is refused as select refuses it."""
+    net = routed("flux", policy="random", ratio=0.5, start=1, end=2)
+    x, t, cond = inputs("flux")
+    shape = (N,) if form == "tokens" else SIZE
+    cases = ((torch.zeros(B + 1, *shape, dtype=torch.bool), f"force_keep has {B + 1} rows but the batch has {B}"),
+             (torch.full((B, *shape), 0.3), "force_keep must be a bool mask, got torch.float32"))
+    for mask, said in cases:
+        for keep in (mask, ForceKeep.of(mask)):
+            with pytest.raises(ConfigError, match=said):
+                call(net, x, t, {**cond, "force_keep": keep})
+            with pytest.raises(ConfigError, match=said):
+                call(net, x, t, cond, force_keep=keep)
+
+
 def test_adapter_output_feeds_flow_loss_and_gradient_checkpointing_matches():
     net = routed("flux", start=1, end=3)
     x, t, cond = inputs("flux")

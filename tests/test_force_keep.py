@@ -135,3 +135,15 @@ def test_a_host_copy_that_is_not_the_masks_is_refused():
     force = masks()
     with pytest.raises(ConfigError, match="host copy"):
         build_policy("random").select(torch.randn(4, N, 8), GRID, 0.5, None, force_keep=ForceKeep(force, force[:2].numpy()))
+
+
+@pytest.mark.parametrize("name", sorted(set(POLICIES) - {"none"}))
+def test_a_mask_with_another_batch_size_is_refused_in_one_sentence(name):
+    """3 mask rows for 2 samples: one sentence naming both sizes, not PyTorch's size mismatch from inside select."""
+    for rows in (3, 1):
+        mask = torch.zeros(rows, N, dtype=torch.bool)
+        for force in (mask, ForceKeep.of(mask)):
+            said = rf"force_keep has {rows} rows but the batch has 2 samples; give one mask row per sample, \(2, {N}\)"
+            with pytest.raises(ConfigError, match=said):
+                build_policy(name).select(torch.randn(2, N, 8), GRID, 0.5, torch.Generator().manual_seed(0),
+                                          force_keep=force)
