@@ -180,7 +180,7 @@ def test_two_processes_give_the_same_fid_as_one(inception_weights, tmp_path):
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     two = json.loads((tmp_path / "two.json").read_text())
-    assert two["num_images"] == 5
+    assert two["num_images"] == 5 and two["processes"] == 2
     assert two["fid"] == pytest.approx(one, rel=1e-4)
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from routing import ConfigError
 from train.build import objective_name
@@ -71,7 +72,9 @@ def main(argv: list[str] | None = None) -> float | None:
     if args.ref is not None:
         check_reference(args.ref, args.inception)
     resolve_weights(args.inception)
-    accelerator = Accelerator()
+    # Without a GPU, `accelerate launch --multi_gpu --num_processes N` makes one gloo group only for an Accelerator
+    # asked for the CPU; a plain one would make N lone processes, each scoring every image.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
     loaded = None
     if args.checkpoint:
         loaded = load_run(args.checkpoint, accelerator.device)
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> float | None:
     # Reference statistics first (a folder of real images is read once, before hours of sampling), then the
     # features of the evaluated images: a folder, or samples from the checkpoint's EMA weights.
     mu_ref, sigma_ref = reference_statistics(args.ref, extractor, accelerator, args.batch_size, args.size)
-    result: dict[str, Any] = {"ref": args.ref}
+    result: dict[str, Any] = {"ref": args.ref, "processes": accelerator.num_processes}
     if args.images:
         generated = folder_features(Path(args.images), extractor, accelerator, args.batch_size, args.size)
         result["images"] = args.images
