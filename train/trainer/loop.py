@@ -3,7 +3,8 @@
 Between logging steps the loop only counts; at a logging step (and wherever it checkpoints, samples, scores FID or
 ends) it reads the losses and the guard's counts from the device in one go. The progress bar shows the last loss
 read, and images/s is the wall time over the steps since the previous read (the read waits for them to finish), or
-since the checkpoint, preview or FID score done after it, which are not training steps.
+since the checkpoint, preview or FID score done after it, which are not training steps; the bar's own rate (s/it) and
+elapsed time leave them out too (`leave_out`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,17 @@ from train.grid import grid_labels, save_grid
 from train.logger import recipe
 from train.trainer.preemption import StopSignals
 from train.schema.sample import preview_every
+
+
+def leave_out(bar, seconds: float) -> None:
+    """Shift a tqdm bar's clock by `seconds` of work that is no training step (a checkpoint, a preview, FID), so its
+    rate (s/it) and elapsed time leave it out. tqdm's own `unpause()` moves the clock by all the time since the bar's
+    last print, which would drop the steps run since that print too (a print waits for mininterval, 0.1 s, and for
+    miniters steps): its two timestamps are moved by the pause alone, as unpause moves them."""
+    if bar.disable:
+        return
+    bar.start_t += seconds
+    bar.last_print_t += seconds
 
 
 class Loop:
@@ -102,7 +114,9 @@ class Loop:
                     if last:
                         break
                     if saved or drawn or scored:  # images_per_s times training steps, not what is done between them
-                        since = (self.step, time.perf_counter())
+                        resumed = time.perf_counter()
+                        since = (self.step, resumed)
+                        leave_out(bar, resumed - now)  # ... and so do the bar's s/it and elapsed time
                         bar.set_postfix(postfix)
         finally:
             self.in_loop = False
