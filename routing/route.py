@@ -30,11 +30,12 @@ class Route:
     path_drop: float = 0.0
 
 
-def resolve_routes(routes: Sequence[Mapping | Route], depth: int) -> list[Route]:
+def resolve_routes(routes: Sequence[Mapping | Route], depth: int, fix: str = "") -> list[Route]:
     """Turn user route specs into validated routes with non-negative layer indices.
 
     Negative indices count from the end (-1 is the last block). Routes must be sorted, disjoint,
-    in range, and have 0 <= selection_ratio < 1.
+    in range, and have 0 <= selection_ratio < 1. `fix`: what the caller's user sets instead when a route's layers do
+    not fit the `depth` blocks (where the routes came from, which key to set), in place of the generic advice.
     """
     resolved = []
     for k, spec in enumerate(routes):
@@ -53,10 +54,11 @@ def resolve_routes(routes: Sequence[Mapping | Route], depth: int) -> list[Route]
         if not (0 <= start < depth and 0 <= end < depth):
             raise ConfigError(
                 f"{name} resolves to layers {start}..{end}, outside the model's {depth} blocks; "
-                f"use indices in [-{depth}, {depth - 1}]."
+                f"{fix or f'use indices in [-{depth}, {depth - 1}]'}."
             )
         if start > end:
-            raise ConfigError(f"{name} resolves to start {start} > end {end}; the end index is inclusive and must not precede the start.")
+            raise ConfigError(f"{name} resolves to start {start} > end {end} on the model's {depth} blocks; "
+                              f"{fix or 'the end index is inclusive and must not precede the start'}.")
         if resolved and start <= resolved[-1].end_layer_idx:
             raise ConfigError(
                 f"{name} resolves to layers {start}..{end}, which overlaps or precedes the previous route "

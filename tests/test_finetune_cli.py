@@ -238,6 +238,21 @@ def test_a_base_changed_since_the_checkpoint_is_named_not_the_data(models, tmp_p
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_0000001"]  # nothing lost
 
 
+def test_a_preset_route_that_a_small_pretrained_model_cannot_hold_says_where_it_came_from(models, tmp_path):
+    """+experiment=finetune_dit's route (blocks 2..-4) on a 4-block DiT: the refusal names the model's blocks, that the
+    route came from the preset or the routing option, and what to set."""
+    cfg = compose_cfg(*FAST, "+experiment=finetune_dit", "data=digits", f"finetune.pretrained={models['dit']}",
+                      "finetune.dtype=fp32", "trainer.mixed_precision=no", f"run_dir={tmp_path / 'run'}")
+    with pytest.raises(ConfigError) as err:
+        Trainer(cfg)
+    assert ("resolves to start 2 > end 0 on the model's 4 blocks; routing.routes, for the pretrained "
+            f"DiTTransformer2DModel in '{models['dit']}', comes from the routing=... option or the +experiment=... "
+            "preset unless given on the command line; set routes that fit its 4 blocks (e.g. 'routing.routes="
+            "[{selection_ratio: 0.5, start_layer_idx: 1, end_layer_idx: -2}]') or use a model with more blocks."
+            ) in str(err.value)
+    assert not (tmp_path / "run").exists()
+
+
 def test_bf16_base_weights_train_fp32_lora_and_sample(models, tmp_path):
     """The fp32 LoRA trains on a bf16 base under autocast; the preview grid, train.sample and a bare call, which pass
     fp32 latents outside any autocast, run the base in bf16 as training did (they failed on its bf16 layers)."""

@@ -30,7 +30,8 @@ def build_router(cfg_routing: DictConfig, model: Backbone) -> Router:
 def router_for(cfg_routing: DictConfig, depth: int, grid: tuple[int, int], needs_grid: bool = False, what: str = "") -> Router:
     """Validated router for a stack of `depth` blocks on a `grid` of tokens (`what` names the model in errors)."""
     policy = build_policy(cfg_routing.policy, **(cfg_routing.get("policy_kwargs") or {}))
-    routes = resolve_routes(OmegaConf.to_container(cfg_routing.routes, resolve=True) or [], depth)
+    specs = OmegaConf.to_container(cfg_routing.routes, resolve=True) or []
+    routes = resolve_routes(specs, depth, fix=routes_fix(what, depth))
     for route in routes:
         policy.check(grid, route.selection_ratio)
     if routes and needs_grid and not policy.yields_grid and not cfg_routing.allow_unstructured:
@@ -39,6 +40,16 @@ def router_for(cfg_routing: DictConfig, depth: int, grid: tuple[int, int], needs
             "without one; use routing=rows or routing=structured (or set routing.allow_unstructured=true to treat the subset as 1-D, an ablation)."
         )
     return Router(policy, routes, force=cfg_routing.force, fp32_after_route=cfg_routing.fp32_after_route)
+
+
+def routes_fix(what: str, depth: int) -> str:
+    """What to set when routing.routes does not fit a model of `depth` blocks: the routes come from the routing option
+    or a +experiment preset (a finetune preset's fit the full pretrained model) unless given on the command line."""
+    start, end = (1, -2) if depth >= 3 else (0, 0)
+    example = f"routing.routes=[{{selection_ratio: 0.5, start_layer_idx: {start}, end_layer_idx: {end}}}]"
+    return (f"routing.routes, for {what or 'the model'}, comes from the routing=... option or the +experiment=... "
+            f"preset unless given on the command line; set routes that fit its {depth} blocks (e.g. '{example}') "
+            "or use a model with more blocks")
 
 
 def build_backbone_for(cfg: DictConfig, shape: tuple[int, int, int], num_classes: int) -> Backbone:
