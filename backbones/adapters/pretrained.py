@@ -67,6 +67,15 @@ def pretrained_folder(family: str, path: str | os.PathLike, what: str = "pretrai
     return folder
 
 
+def dtype_kwarg(dtype: torch.dtype | None) -> dict:
+    """from_pretrained's dtype argument: diffusers 0.40 renamed torch_dtype to dtype and warns on the old name (in
+    every caption run's output); older releases know only torch_dtype."""
+    import diffusers
+    from packaging.version import Version
+
+    return {"dtype" if Version(diffusers.__version__) >= Version("0.40") else "torch_dtype": dtype}
+
+
 def load_pretrained(family: str, path: str | os.PathLike, torch_dtype: torch.dtype | None = None) -> nn.Module:
     """The family's diffusers transformer from `path` (its folder, or a pipeline folder with transformer/)."""
     folder = pretrained_folder(family, path)
@@ -82,7 +91,7 @@ def load_pretrained(family: str, path: str | os.PathLike, torch_dtype: torch.dty
     for weights in sorted(folder.glob("*.safetensors")):  # whole, from their headers: a download cut short is named
         tensor_shapes(weights, f"fetch the model again ({PRETRAINED[family][1]}); a download that stopped leaves such a file")
     try:
-        return model_class(family).from_pretrained(folder, torch_dtype=torch_dtype, local_files_only=True)
+        return model_class(family).from_pretrained(folder, **dtype_kwarg(torch_dtype), local_files_only=True)
     except ValueError as error:  # diffusers: a weight whose shape is not the one config.json builds
         found = re.search(r"(\S+) expected shape torch.Size\((.+?)\), but got torch.Size\((.+?)\)", str(error))
         if found is None:

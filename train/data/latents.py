@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from backbones.adapters.pretrained import dtype_kwarg
 from routing.errors import ConfigError
 from train.data.latents_space import resolve_normalize
 from train.files import read_config, read_meta, read_stats
@@ -50,7 +51,7 @@ def load_vae(vae: str, device: torch.device | str = "cpu", dtype: torch.dtype = 
     if folder is not None:
         vae_config(folder)  # another model's folder (a transformer's, a pipeline's) would fail deep inside diffusers
     try:
-        model = AutoencoderKL.from_pretrained(str(folder) if folder is not None else vae, torch_dtype=dtype)
+        model = AutoencoderKL.from_pretrained(str(folder) if folder is not None else vae, **dtype_kwarg(dtype))
     except (OSError, ValueError) as error:
         raise ConfigError(
             f"Could not load the VAE {vae!r} ({type(error).__name__}); without network, run "

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from backbones.adapters import PRETRAINED, TABLE_KEYS
+from backbones.adapters.pretrained import dtype_kwarg
 from routing.errors import ConfigError
 from train.files import read_config, write_atomic
 from train.files.prompt_table import FORMAT, WRITE_ONE, TableHeader, read_header
@@ -119,7 +120,7 @@ def load_text_pipeline(family: str, folder: str | os.PathLike, dtype: str = "fp3
     if name not in PIPELINES[family]:
         raise ConfigError(f"pipeline folder '{folder}' holds a {name}, not the {' or '.join(PIPELINES[family])} that --family {family} needs.")
     try:
-        return getattr(diffusers, name).from_pretrained(folder, transformer=None, vae=None, torch_dtype=DTYPES[dtype],
+        return getattr(diffusers, name).from_pretrained(folder, transformer=None, vae=None, **dtype_kwarg(DTYPES[dtype]),
                                                         local_files_only=True)
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
