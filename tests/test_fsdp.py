@@ -63,7 +63,7 @@ def test_fsdp_on_two_processes_equals_one_process_and_checkpoints_resume_across_
     # With a route on: a sample's route is drawn from (seed, step, its index), so the split into processes changes
     # nothing, and the bound docs/finetuning_fsdp.md states (losses relative 1e-5, weights and EMA 1e-5) holds routed.
     one, sharded, result = one_then_fsdp(tmp_path, ROUTED, "trainer.sample_every=4")
-    assert "2 process(es)" in result.stdout and "resumed from" in result.stdout
+    assert "2 process(es) sharded with FSDP" in result.stdout and "resumed from" in result.stdout
     for step in (3, 4):
         assert losses(sharded)[step] == pytest.approx(losses(one)[step], rel=1e-5)
     # Saved whole (not shards), equal to the one-process run's: weights, EMA, and AdamW's state by parameter name.

@@ -62,7 +62,8 @@ class Loop:
                  f"{cfg.backbone.name}-{cfg.backbone.preset}/{cfg.backbone.patch_size} ({params / 1e6:.2f}M params)")
         self.acc.print(f"{model}, objective={objective_name(cfg)}, "
                        f"routing={recipe(cfg.routing)}, data={cfg.data.name} {tuple(self.dataset.shape)}, "
-                       f"{self.acc.num_processes} process(es) on {self.acc.device}, run_dir={self.run_dir}")
+                       f"{self.acc.num_processes} process(es){' sharded with FSDP' if self.acc.is_fsdp2 else ''} on "
+                       f"{self.acc.device}, run_dir={self.run_dir}")
         first = len(self.read_losses)
         budget = t.max_minutes * 60 if t.max_minutes else math.inf
         began = time.perf_counter()
