@@ -215,6 +215,13 @@ def test_resume_continues_a_fine_tuning_run_exactly(models, tmp_path):
     run = tmp_path / "run"
     Trainer(compose_cfg(*common, f"finetune.pretrained={moved}", "trainer.max_steps=1", "trainer.ckpt_every=1", f"run_dir={run}")).fit()
     assert load_run(run).step == 1
+    # The base moved: named, with the flag that finds it; found there, with its config checked as before.
+    elsewhere = tmp_path / "elsewhere"
+    moved.rename(elsewhere)
+    with pytest.raises(ConfigError, match="which is not there any more; pass --pretrained PATH"):
+        load_run(run)
+    assert load_run(run, pretrained=str(elsewhere)).step == 1
+    elsewhere.rename(moved)
     write_pretrained("flux", moved, num_single_layers=3)
     with pytest.raises(ConfigError, match="point finetune.pretrained at the model it was trained from"):
         load_run(run)

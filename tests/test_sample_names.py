@@ -111,3 +111,11 @@ def test_a_run_folder_without_a_checkpoint_says_so_in_one_sentence(tmp_path, mad
     assert line.startswith(f"error: '{run}' {message}"), line
     if "no checkpoint yet" in message:
         assert "trainer.ckpt_every" in line
+
+
+def test_pretrained_on_a_run_trained_from_scratch_is_refused_in_one_sentence(sprint_run):
+    from routing import ConfigError
+    from train.checkpoint import load_run
+
+    with pytest.raises(ConfigError, match="--pretrained is for fine-tuning runs; .* trained its model from scratch"):
+        load_run(sprint_run, pretrained="weights/flux")

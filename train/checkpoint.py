@@ -344,11 +344,24 @@ def _no_checkpoint(path: Path) -> str:
             "checkpoints), train it again with trainer.ckpt_every=N")
 
 
-def load_run(checkpoint: str | Path, device: str | torch.device = "cpu") -> Loaded:
-    """The EMA network of a run folder (its latest checkpoint) or a checkpoint folder, in eval mode on `device`."""
+def load_run(checkpoint: str | Path, device: str | torch.device = "cpu", pretrained: str | None = None) -> Loaded:
+    """The EMA network of a run folder (its latest checkpoint) or a checkpoint folder, in eval mode on `device`.
+
+    pretrained: where a fine-tuning run's base model lives now, if it moved since (default: the run's
+    finetune.pretrained); its config is still checked against the one the checkpoint records."""
     path = resolve_checkpoint(checkpoint)
     state = load_checkpoint(path)
     cfg = state["config"]
+    if finetune_family(cfg):
+        if pretrained is not None:
+            cfg.finetune.pretrained = str(Path(pretrained).expanduser())
+        elif not Path(str(cfg.finetune.pretrained)).expanduser().exists():
+            raise ConfigError(f"checkpoint '{path}' was fine-tuned from finetune.pretrained='{cfg.finetune.pretrained}', "
+                              "which is not there any more; pass --pretrained PATH where the base model lives now, or put "
+                              "it back.")
+    elif pretrained is not None:
+        raise ConfigError(f"--pretrained is for fine-tuning runs; checkpoint '{path}' trained its model from scratch, so "
+                          "drop the flag.")
     try:
         dataset = build_dataset(cfg.data, cfg.edm.sigma_data)
         net = build_net(cfg, dataset, trained_from=(path, state["pretrained"]))  # a changed base named before the data

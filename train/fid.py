@@ -39,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", type=existing("checkpoint"), help="run folder (its latest checkpoint) or checkpoint folder to sample from")
     source.add_argument("--images", type=existing("image folder"), help="folder of images to score instead of a checkpoint")
+    parser.add_argument("--pretrained", help="with --checkpoint of a fine-tuning run: its base model folder, where it lives "
+                        "now if it moved (default: the run's finetune.pretrained)")
     parser.add_argument("--ref", type=existing("reference"), help="reference: .npz with mu and sigma (e.g. ADM's VIRTUAL_imagenet256_labeled.npz) or an image folder")
     parser.add_argument("--save-stats", type=writable_file, help="with --images: write the folder's mu and sigma to this .npz and stop")
     parser.add_argument("--size", type=bounded(int, 8, 4096, example="--size 256"), help="centre-crop and resize folder images to this size (real ImageNet folders)")
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> float | None:
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     loaded = None
     if args.checkpoint:
-        loaded = load_run(args.checkpoint, accelerator.device)
+        loaded = load_run(args.checkpoint, accelerator.device, args.pretrained)
         if len(loaded.dataset.shape) != 3:
             raise ConfigError(f"checkpoint '{loaded.checkpoint}' generates videos, which FID (Inception on images) does not score; "
                               "sample them with python -m train.sample instead.")

@@ -62,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "images or clips; default: their most common bucket, or the clips' size)")
     add_sampling_rule_flags(parser)
     parser.add_argument("--rg-bad", help="routing guidance: a weaker checkpoint as the weak branch (autoguidance-style)")
+    parser.add_argument("--pretrained", help="a fine-tuning run's base model folder, where it lives now if it moved "
+                        "(default: the run's finetune.pretrained)")
     parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--out", type=writable_file, help="PNG path, or for video runs .gif or .mp4 (default: "
                         "<checkpoint>/samples_<rule>_<sampler><steps>_seed<seed>[...].png, a name that carries every "
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> Path:
     out = args.out or resolve_checkpoint(args.checkpoint) / default_name(args)
     if args.out is None and not os.access(out.parent, os.W_OK | os.X_OK):  # checked before sampling, not after
         raise ConfigError(f"cannot write the grid to {str(out.parent)!r} (not writable); pass --out PATH in a folder you can write to.")
-    loaded = load_run(args.checkpoint, args.device)
+    loaded = load_run(args.checkpoint, args.device, args.pretrained)
     shape = latent_shape(loaded.dataset, args.size, model_patch(loaded.net))
     if len(shape) == 4 and out.suffix.lower() not in VIDEO_SUFFIXES:
         out = out.with_suffix(".gif")  # video samples: save_grid writes an animated grid
