@@ -182,6 +182,10 @@ COMMAND_ONLY = ("run_dir", "resume", "overwrite")
 CONTINUE = ("true", "auto", "latest")
 
 
+# Config groups (configs/<group>/): choosing another option of one replaces the group's keys.
+GROUPS = ("align", "backbone", "data", "experiment", "objective", "routing")
+
+
 def resumed_overrides(argv: list[str]) -> tuple[list[str], list[str], Path | None, list[str]]:
     """A resume's command line: the overrides its run was started with (<run>/.hydra/overrides.yaml), then this
     command's, which replace them key by key. So `python -m train run_dir=R resume=true` continues R as it was
@@ -230,10 +234,6 @@ def resumed_overrides(argv: list[str]) -> tuple[list[str], list[str], Path | Non
              "replaces (a new option starts from its own defaults)" for group, lines in dropped.items()]
     first = next(i for i, a in enumerate(argv) if not a.startswith("-") and "=" in a)  # Hydra reads overrides in one run
     return [*argv[:first], *kept, *argv[first:]], kept, record, notes
-
-
-# Config groups (configs/<group>/): choosing another option of one replaces the group's keys.
-GROUPS = ("align", "backbone", "data", "experiment", "objective", "routing")
 
 
 def _run_choices(run: Path, saved: list) -> dict[str, str]:
