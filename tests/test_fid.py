@@ -191,18 +191,19 @@ def test_identical_folders_print_zero(inception_weights, small_input, tmp_path, 
     assert capsys.readouterr().out.startswith("FID 0.0000 (3 images")
 
 
-def test_a_corrupt_image_is_named(inception_weights, small_input, tmp_path):
-    from conftest import run_cli
+def test_a_corrupt_image_is_named(inception_weights, small_input, tmp_path, capsys):
+    from train.cli import friendly_errors
 
     same = image_folder(tmp_path / "same", seed=0, brightness=255)
     common = ["--inception", str(inception_weights), "--batch-size", "3"]
     broken = image_folder(tmp_path / "broken", seed=1, brightness=255)
     (broken / "1.png").write_bytes(b"\x89PNG definitely not an image")
-    result = run_cli("train.fid", "--images", str(broken), "--ref", str(same), "--out", str(tmp_path / "fid.json"),
-                     *common)
-    assert result.returncode == 2 and "Traceback" not in result.stderr and not (tmp_path / "fid.json").exists()
-    assert result.stderr.strip().splitlines()[-1] == (f"error: image '{broken / '1.png'}' is unreadable "
-                                                      "(UnidentifiedImageError); replace or delete it.")
+    with pytest.raises(SystemExit) as stop:  # as `python -m train.fid` runs it
+        friendly_errors(fid_main)(["--images", str(broken), "--ref", str(same), "--out", str(tmp_path / "fid.json"), *common])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err and not (tmp_path / "fid.json").exists()
+    assert err.strip().splitlines()[-1] == (f"error: image '{broken / '1.png'}' is unreadable "
+                                            "(UnidentifiedImageError); replace or delete it.")
 
 
 def test_only_rounding_below_zero_is_zero():

@@ -140,6 +140,7 @@ def test_a_finished_shard_cut_short_is_named_before_the_rerun_writes_anything(ca
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+@pytest.mark.slow  # two launched processes, about 17 s on 2 cores (FID's two-process test is slow too)
 def test_two_processes_split_the_shards_and_match_one(cached, tmp_path):
     from conftest import ROOT
 
