@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+
 def feature_statistics(features: np.ndarray | torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """Mean (d,) and unbiased covariance (d, d) of features (n, d), in float64."""
     features = _float64(features)
