@@ -147,14 +147,13 @@ def unpatchify(x: torch.Tensor, grid: Grid, p: int, channels_last: bool) -> torc
     return x.reshape(b, x.shape[1], h * p, w * p)
 
 
-def token_mask(mask: torch.Tensor | ForceKeep, grid: tuple[int, ...], patch: int | tuple[int, ...],
-               batch: int | None = None) -> torch.Tensor | ForceKeep:
+def token_mask(mask: torch.Tensor | ForceKeep, grid: tuple[int, ...], patch: int | tuple[int, ...]) -> torch.Tensor | ForceKeep:
     """A force-keep mask on the token grid, (B, N) bool (a ForceKeep, per token with its host copy, as it is).
 
     Accepts it per token, (B, N), or per latent pixel, (B, H, W) or (B, 1, H, W), and on a video grid
     (t, h, w) per latent voxel, (B, T, H, W) or (B, 1, T, H, W); a token is kept when any latent pixel of its
-    patch is marked. `patch` is the patch side, or one side per grid axis; `batch`, when given, the samples it must
-    have a row for.
+    patch is marked. `patch` is the patch side, or one side per grid axis. Its rows are checked against the batch where
+    a route selects with it (check_force_keep).
 
     The mask must be bool, as every policy's `select` requires: a float or integer mask is refused, not converted,
     since a soft mask (weights in [0, 1], a loss weight passed by mistake) would mark every non-zero token as forced,
@@ -164,22 +163,19 @@ def token_mask(mask: torch.Tensor | ForceKeep, grid: tuple[int, ...], patch: int
     if tensor.dtype != torch.bool:
         raise ConfigError(f"force_keep must be a bool mask, got {tensor.dtype}; convert it where it is made "
                           "(e.g. mask > 0.5), so that only the tokens you mean are forced.")
-    if batch is not None and tensor.shape[0] != batch:
-        raise ConfigError(f"force_keep has {tensor.shape[0]} rows but the batch has {batch} samples; give one mask per "
-                          "sample.")
     patch = (patch,) * len(grid) if isinstance(patch, int) else tuple(patch)
     pixels = tuple(n * p for n, p in zip(grid, patch))
     n = math.prod(grid)
     if isinstance(mask, ForceKeep):  # per token (the trainer's masks) or per pixel: pooled on the device and host alike
         host = token_mask(torch.from_numpy(mask.host), grid, patch).numpy()
-        return check_force_keep(ForceKeep(token_mask(mask.mask, grid, patch), host), n, batch)
+        return check_force_keep(ForceKeep(token_mask(mask.mask, grid, patch), host), n)
     if mask.ndim == len(grid) + 2 and mask.shape[1] == 1:
         mask = mask[:, 0]
     if mask.ndim == 2 and mask.shape[1] == n:
-        return mask.bool()
+        return mask
     if mask.ndim == len(grid) + 1 and tuple(mask.shape[1:]) == pixels:
         split = [v for side, p in zip(grid, patch) for v in (side, p)]
-        mask = mask.bool().reshape(-1, *split)  # (B, H, W) -> (B, h, p, w, p), or (B, t, p, h, p, w, p) on video
+        mask = mask.reshape(-1, *split)  # (B, H, W) -> (B, h, p, w, p), or (B, t, p, h, p, w, p) on video
         for axis in range(2 * len(grid), 0, -2):  # the patch axes, last first so the others keep their place
             mask = mask.any(axis)
         return mask.reshape(-1, n)  # (B, h, w) -> (B, N)
@@ -301,7 +297,7 @@ class RoutedTransformer(nn.Module):
         t = t.reshape(-1).expand(x.shape[0])  # () or (B,) -> (B,)
         tokens, stream, grid = self.embed(x, t, cond)
         self.last_grid = grid
-        keep = None if mask is None else token_mask(mask.to(tokens.device), grid, self.patch, x.shape[0])
+        keep = None if mask is None else token_mask(mask.to(tokens.device), grid, self.patch)
         with recording(self.router, stream):
             tokens = self.router.run(self.steps, tokens, stream, grid, self.training, force_keep=keep)
         return self.head(tokens, stream, grid)
