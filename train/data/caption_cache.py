@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from routing.errors import ConfigError
 from train.data.buckets import bucket_sizes, fit_to_bucket, nearest_bucket
 from train.data.captions import UNREADABLE, list_captioned
+from train.data.latents import spatial_factor
 from train.data.prompts import encode_table, read_table, write_table
 from train.files import read_config, write_atomic
 from train.files.atomic import stale_temporaries
@@ -112,7 +113,7 @@ def prepare_captions(cfg, device: str | torch.device = "cpu", log=print, items=N
     space = {"kind": PIXELS, "channels": d.channels, "factor": 1, "scaling_factor": 1.0, "shift_factor": 0.0}
     if vae_dir is not None:
         config = read_config(vae_dir / "config.json")
-        space = {"kind": "vae", "identity": identity([vae_dir]), "factor": 2 ** (len(config["block_out_channels"]) - 1),
+        space = {"kind": "vae", "identity": identity([vae_dir]), "factor": spatial_factor(config),
                  "channels": config["latent_channels"], "scaling_factor": float(config.get("scaling_factor") or 1.0),
                  "shift_factor": float(config.get("shift_factor") or 0.0)}
     for size in buckets:

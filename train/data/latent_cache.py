@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from routing.errors import ConfigError
 from train.data.images import IMAGE_EXTENSIONS, center_crop_resize, list_images
-from train.data.latents import DEFAULT_VAE, load_vae, shard_name
+from train.data.latents import DEFAULT_VAE, load_vae, shard_name, spatial_factor
 from train.files import damaged, read_json, safetensors_metadata, tensor_shapes, write_atomic
 
 FORMAT_VERSION = 1
@@ -205,7 +205,7 @@ def _finish_shard(path: Path, parts: dict, vae, size: int, storage: torch.dtype,
         mean, std, labels = torch.cat(parts["mean"]), torch.cat(parts["std"]), torch.cat(parts["labels"])
     else:
         # Every image of this shard was unreadable: an empty shard keeps the numbering simple.
-        latent_size = size // 2 ** (len(vae.config.block_out_channels) - 1)
+        latent_size = size // spatial_factor(vae.config)
         mean = std = torch.zeros(0, channels, latent_size, latent_size)
         labels = torch.zeros(0, dtype=torch.int64)
     mean, std = mean.to(storage), std.to(storage)

@@ -100,6 +100,11 @@ def vae_config(folder: Path) -> dict:
     return config
 
 
+def spatial_factor(config) -> int:
+    """Image pixels per latent pixel of an AutoencoderKL: each block after the first halves the resolution."""
+    return 2 ** (len(config["block_out_channels"]) - 1)
+
+
 def vae_factor(vae: str) -> int:
     """Image pixels per latent pixel of `vae`: from a local folder's config.json, or a hub id's in the local cache;
     8, every released AutoencoderKL's, for a hub id not downloaded yet."""
@@ -113,7 +118,7 @@ def vae_factor(vae: str) -> int:
             config = AutoencoderKL.load_config(vae, local_files_only=True)
         except (OSError, ValueError):
             return 8
-    return 2 ** (len(config.get("block_out_channels") or [0] * 4) - 1)
+    return spatial_factor(config) if config.get("block_out_channels") else 8
 
 
 def read_shard_header(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
