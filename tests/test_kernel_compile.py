@@ -14,10 +14,11 @@ import pytest
 from conftest import run_module
 
 # A table row: kernel, variant, config (three or four words: a register budget), registers, spill stores/loads, shared
-# bytes, seconds, then the SASS's instructions, exponentials, selects (not captured), shuffles and barriers, and the
-# warp instructions per state update and estimated ms ("-" where there is no estimate).
-_ROW = re.compile(r"^(\S+)\s+(.+?)\s+(BLOCK_\S+ w\d+ s\d+(?: r\d+)?)\s+(\d+)\s+(\d+)/(\d+)\s+(\d+)\s+[\d.]+\s+(\d+)"
-                  r"\s+(\d+)\s+\d+\s+(\d+)\s+(\d+)\s+([\d.]+|-)\s+([\d.]+|-)$")
+# bytes, warps per SM, seconds (not captured), then the SASS's instructions, exponentials, selects (not captured),
+# shuffles and barriers, the warp instructions per state update, the estimated ms and its bound pipe ("-" where there
+# is none).
+_ROW = re.compile(r"^(\S+)\s+(.+?)\s+(BLOCK_\S+ w\d+ s\d+(?: r\d+)?)\s+(\d+)\s+(\d+)/(\d+)\s+(\d+)\s+(\d+)\s+[\d.]+"
+                  r"\s+(\d+)\s+(\d+)\s+\d+\s+(\d+)\s+(\d+)\s+([\d.]+|-)\s+([\d.]+|-)\s+(issue|mufu|shfl|-)$")
 
 
 def _compile(tmp_path, *args: str, timeout: float = 300):
@@ -50,6 +51,33 @@ def test_executed_weights_each_instruction_by_its_loops():
     assert _executed(ops, (16, 4)) == 1 + 4 * (1 + 16 * 3 + 2) + 2
     assert _executed(ops, (16, 4, 8)) == 1 + 4 * (1 + 16 * 3 + 2) + 2  # a trip with no loop (unrolled walk): none
     assert _executed(ops, (16,)) == 0.0  # more loops than trips: no estimate
+    # One pipe's instructions, the loops read from the whole listing: the two FFMAs of the inner loop.
+    assert _executed([op for op in ops if op[1] == "FFMA"], (16, 4), all_ops=ops) == 4 * 16 * 2
+
+
+def test_the_estimate_is_the_busiest_pipe():
+    """Per SM and cycle an H100 issues 4 warp instructions, half a MUFU and one shuffle: the launch takes what its
+    busiest pipe needs."""
+    from train.bench.kernel_compile import H100_CLOCK_HZ, H100_SMS, Case, Row
+
+    case = Case("k", None, "", {}, {"num_warps": 4}, "bf16", {})
+    shuffles = Row(case, executed={"issue": 4e6, "mufu": 0.0, "shfl": 2e6})  # 2 M shuffles outlast 4 M issues
+    assert shuffles.bound == "shfl"
+    assert shuffles.estimate_ms == pytest.approx(1e3 * 2e6 / (H100_SMS * H100_CLOCK_HZ))
+    assert Row(case, executed={"issue": 4e6, "mufu": 0.6e6, "shfl": 0.0}).bound == "mufu"
+    assert Row(case, executed={"issue": 4e6, "mufu": 0.4e6, "shfl": 0.5e6}).bound == "issue"
+
+
+def test_occupancy_counts_whole_blocks():
+    """Warps per SM on sm_90: registers allocated per warp in units of 256 of 65,536; shared memory 228 KB, 1 KB
+    reserved per block; at most 32 blocks and 64 warps."""
+    from train.bench.kernel_compile import occupancy
+
+    assert occupancy(218, 1, 0) == 9  # 218 x 32 = 6,976 -> 7,168 registers a warp
+    assert occupancy(72, 4, 512) == 28  # 9,216 a block: 7 blocks
+    assert occupancy(32, 1, 0) == 32  # the block limit before the warp limit
+    assert occupancy(32, 4, 100 * 1024) == 8  # shared memory for two blocks
+    assert occupancy(255, 8, 0) == 8  # 8,192 a warp: one block of 8 warps fills the register file
 
 
 def test_loops_without_the_constant_chunk_loop():
@@ -101,7 +129,7 @@ def test_forward_scan_configs_compile_for_sm90_without_spills(tmp_path):
     _check(result, rows, expected=4 + 3)  # the 256-step chunk's configs, then the 64-step chunk's
     assert {r[2] for r in rows} == {"BLOCK_D=2 w4 s3", "BLOCK_D=4 w4 s3", "BLOCK_D=4 w8 s3", "BLOCK_D=8 w16 s3 r128",
                                     "BLOCK_D=1 w1 s3", "BLOCK_D=2 w1 s3", "BLOCK_D=4 w2 s3"}  # r128: its register budget
-    assert all(float(r[11]) > 0 and float(r[12]) > 0 for r in rows), rows  # every scan row has its estimate
+    assert all(float(r[12]) > 0 and float(r[13]) > 0 for r in rows), rows  # every scan row has its estimate
 
 
 @pytest.mark.slow
@@ -115,7 +143,7 @@ def test_specialised_length_keeps_steps_in_thread(tmp_path):
     pairs = list(zip(launched[1], unspecialised[1]))
     assert len(pairs) == 7 and all(a[2] == b[2] for a, b in pairs)
     for a, b in pairs:
-        assert int(a[9]) < int(b[9]) and float(a[11]) < float(b[11]), (a, b)
+        assert int(a[10]) < int(b[10]) and float(a[12]) < float(b[12]), (a, b)
 
 
 @pytest.mark.slow
@@ -126,7 +154,7 @@ def test_scan_compiles_without_spills_at_the_scaling_lengths(tmp_path):
                             "--lengths", "1024,4096,16384", timeout=900)
     _check(result, rows, expected=3 * (4 + 3 * 3 + 3 + 2 * 3))
     assert {r[1].split("@")[1] for r in rows} == {"1024x16", "4096x4", "16384x1"}
-    assert all(r[11] != "-" for r in rows), rows
+    assert all(r[12] != "-" for r in rows), rows
 
 
 @pytest.mark.slow
@@ -135,7 +163,7 @@ def test_wkv_walks_are_unrolled_for_sm90(tmp_path):
     unrolled every 2-step loop (wkv_triton_walks._PARTS); a loop left rolled has fewer, and picks rows by selects."""
     result, rows = _compile(tmp_path, "--kernels", "wkv.fwd_sums", "--dtypes", "bf16")
     _check(result, rows, expected=2)
-    assert {int(r[8]) for r in rows} == {64}, rows
+    assert {int(r[9]) for r in rows} == {64}, rows
 
 
 @pytest.mark.slow
@@ -148,8 +176,8 @@ def test_wkv_rows_stay_in_thread_as_launched(tmp_path):
     result, rows = _compile(tmp_path, "--kernels", "wkv", "--dtypes", "bf16", timeout=1200)
     _check(result, rows, expected=4 * 2 + 2 + 2)
     chunked = [r for r in rows if not r[0].startswith("wkv.fused")]
-    assert {(r[0], int(r[9]), int(r[10])) for r in chunked} == {(r[0], 0, 0) for r in chunked}, rows
-    assert all(int(r[9]) <= 128 and int(r[10]) <= 8 for r in rows if r[0].startswith("wkv.fused")), rows
+    assert {(r[0], int(r[10]), int(r[11])) for r in chunked} == {(r[0], 0, 0) for r in chunked}, rows
+    assert all(int(r[10]) <= 128 and int(r[11]) <= 8 for r in rows if r[0].startswith("wkv.fused")), rows
 
 
 @pytest.mark.slow

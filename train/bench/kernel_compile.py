@@ -30,10 +30,13 @@ The last columns read the SASS (`cuobjdump` from the wheel): instructions, expon
 (FSEL), warp shuffles (SHFL) and barriers (BAR). They show without a GPU whether a walk was unrolled and its
 row picks folded (backbones/ops/wkv_triton_walks.py `_PARTS`), and whether a tile's rows stayed in one thread
 (no shuffle, no barrier) or were spread over lanes and warps. `s` is the compile time, Triton's cache bypassed
-(TRITON_ALWAYS_COMPILE=1): what an autotuner pays per config on first use, on this machine's CPU. For the scan,
-`upd` is the warp instructions per state update that the launch executes (each SASS instruction weighted by the trip
-counts of the loops around it, `_executed`) and `est ms` the launch's device time at full issue on an H100
-(H100_WARP_INSTRUCTIONS_PER_S): a floor without stalls, an estimate, not a measurement.
+(TRITON_ALWAYS_COMPILE=1): what an autotuner pays per config on first use, on this machine's CPU. `occ` is the
+warps one SM holds at once (`occupancy`: registers, shared memory, the block limits of sm_90), the warps left to hide
+each other's latency. For the scan, `upd` is the warp instructions per state update that the launch executes (each SASS
+instruction weighted by the trip counts of the loops around it, `_executed`). `est ms` is the launch's device time on
+an H100 at the rate of its busiest pipe (`PIPES`: instruction issue, the special-function unit, the shuffle unit),
+`bound` that pipe: a floor without stalls, an estimate, not a measurement; "-" where the build keeps a loop whose trip
+count the tool does not know.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from routing import ConfigError
 
@@ -70,10 +73,18 @@ _WKV_FP32 = {"u_ptr"}  # WKV's u is the (C,) bonus (fp32); the scan's u is the (
 SCAN_SHAPE = dict(batch=64, d=768, g=1, L=256, N=16)
 # `--lengths`: the scaling bench's sequence lengths (train.bench.scaling), each at the batch that keeps SCAN_TOKENS.
 SCAN_TOKENS = SCAN_SHAPE["batch"] * SCAN_SHAPE["L"]
-# The device-time estimate: one warp instruction per scheduler per cycle on an H100 SXM (132 SMs, 4 schedulers each,
-# 1.755 GHz), the rate issue 46 used (the selective scan backward's 4.8 per state update = 1.04 ms). A floor before
-# any stall, latency or barrier wait: an estimate, not a measurement.
-H100_WARP_INSTRUCTIONS_PER_S = 132 * 4 * 1.755e9
+# The device-time estimate on an H100 SXM (132 SMs at 1.755 GHz). Per SM and cycle: 4 warp instructions issued (one
+# per scheduler, the rate issue 46 used: the selective scan backward's 4.8 per state update = 1.04 ms), half a warp's
+# MUFU (exp2, rcp, ...: 16 lanes a cycle) and one warp shuffle (32 lanes a cycle), the CUDA C++ Programming Guide's
+# throughputs for compute capability 9.0. The launch takes at least what its busiest pipe needs: a floor before any
+# stall, latency or barrier wait, an estimate, not a measurement.
+H100_SMS, H100_CLOCK_HZ = 132, 1.755e9
+PIPES = {"issue": 4.0, "mufu": 0.5, "shfl": 1.0}  # warp instructions per SM per cycle
+_PIPE_OPS = {"issue": ("",), "mufu": ("MUFU",), "shfl": ("SHFL",)}  # SASS opcode prefixes each pipe executes
+# sm_90's limits per SM (CUDA C++ Programming Guide, "Technical Specifications"): registers are allocated per warp in
+# units of 256; 228 KB of shared memory, of which the runtime reserves 1 KB per block.
+SM90_REGISTERS, SM90_REG_UNIT, SM90_SHARED, SM90_BLOCK_RESERVED = 65536, 256, 228 * 1024, 1024
+SM90_MAX_WARPS, SM90_MAX_BLOCKS = 64, 32
 WKV_SHAPE = dict(B=64, T=256, C=384)
 
 
@@ -86,11 +97,12 @@ class Case:
     options: dict  # num_warps, num_stages, num_ctas
     dtype: str
     ints: dict  # the integer arguments' values at the reference shape, by name
-    # The kernel's loops, innermost first, as (integer argument or None for a constexpr, trip count); the scan's only
-    # (empty: no estimate). A loop over an argument the launch build takes as the constant 1 is gone (`loops`).
+    # The kernel's loops, innermost first, as (integer argument or None for a constexpr, trip count); empty: none (a
+    # build with a loop then has no estimate). A loop over an argument the launch build takes as the constant 1 is gone
+    # (`loops`).
     trips: tuple = ()
     programs: int = 0  # the launch grid's programs
-    updates: int = 0  # state updates of the whole launch (b d l n), for the per-update rate
+    updates: int = 0  # the scan's state updates of the whole launch (b d l n), for the per-update rate; 0: not a scan
 
     @property
     def config(self) -> str:
@@ -159,12 +171,21 @@ def cases(dtypes: list[str], flag_sets: dict[str, dict], kernels: str = "", leng
                                  ("wkv.fused_fwd", wkv_fused._fused_fwd_kernel),  # TREAD_WKV_KERNEL=fused
                                  ("wkv.fused_bwd", wkv_fused._fused_bwd_kernel)):
             for constexprs, options in _tuned(autotuner, dict(BLOCK_T=16)):
-                found.append(Case(kname, autotuner.fn, dtype, constexprs, options, dtype, wkv_ints))
+                # A program per (sequence, channel block, chunk); the fused kernels' per (sequence, channel block),
+                # walking the sequence in segments of CHUNKS chunks (two passes, one loop each).
+                columns = WKV_SHAPE["B"] * triton.cdiv(WKV_SHAPE["C"], constexprs["BLOCK_C"])
+                segments = triton.cdiv(wkv_ints["n_chunks"], constexprs.get("CHUNKS", 1))
+                fused = "CHUNKS" in constexprs
+                found.append(Case(kname, autotuner.fn, dtype, constexprs, options, dtype, wkv_ints,
+                                  (("n_chunks", segments),) if fused else (),
+                                  columns * (1 if fused else wkv_ints["n_chunks"])))
         if dtype == dtypes[0]:  # the combine walk reads only fp32 scratch, at the one launch config wkv uses
             for fields in (6, 10):
                 found.append(Case(f"wkv.combine{fields}", wkv._combine_kernel, "fp32 scratch",
                                   dict(FIELDS=fields, BLOCK_T=16, BLOCK_C=32, GROUP=wkv._GROUP, PARTS=wkv._GROUP_PARTS),
-                                  dict(num_warps=1, num_stages=3, num_ctas=1), "fp32", wkv_ints))
+                                  dict(num_warps=1, num_stages=3, num_ctas=1), "fp32", wkv_ints,
+                                  (("n_chunks", triton.cdiv(wkv_ints["n_chunks"], wkv._GROUP)),),
+                                  WKV_SHAPE["B"] * triton.cdiv(WKV_SHAPE["C"], 32)))
     return [c for c in found if kernels in c.kernel]
 
 
@@ -209,12 +230,31 @@ class Row:
     seconds: float = 0.0
     error: str = ""
     sass: dict = None  # instruction counts: all, MUFU.EX2, FSEL, SHFL, BAR
-    executed: float = 0.0  # warp instructions the whole launch executes (loops weighted by `Case.trips`; 0: unknown)
+    # Warp instructions the whole launch executes per pipe (`PIPES`; loops weighted by `Case.trips`); empty: unknown.
+    executed: dict = field(default_factory=dict)
+
+    @property
+    def warps_per_sm(self) -> int:
+        return occupancy(self.registers, self.case.options["num_warps"], self.shared)
+
+    @property
+    def bound(self) -> str:
+        """The pipe that takes longest (`PIPES`)."""
+        return max(PIPES, key=lambda pipe: self.executed[pipe] / PIPES[pipe])
 
     @property
     def estimate_ms(self) -> float:
-        """Device time at full issue on an H100 (H100_WARP_INSTRUCTIONS_PER_S): an estimate, not a measurement."""
-        return 1e3 * self.executed / H100_WARP_INSTRUCTIONS_PER_S
+        """Device time on an H100 at the rate of the busiest pipe: an estimate, not a measurement."""
+        return 1e3 * self.executed[self.bound] / PIPES[self.bound] / (H100_SMS * H100_CLOCK_HZ)
+
+
+def occupancy(registers: int, warps: int, shared: int) -> int:
+    """Warps of one kernel an sm_90 SM holds at once: whole blocks, limited by registers, shared memory and the
+    block and warp limits."""
+    per_warp = -(-registers * 32 // SM90_REG_UNIT) * SM90_REG_UNIT
+    blocks = min(SM90_REGISTERS // (per_warp * warps), SM90_SHARED // (shared + SM90_BLOCK_RESERVED), SM90_MAX_BLOCKS,
+                 SM90_MAX_WARPS // warps)
+    return blocks * warps
 
 
 def compile_case(case: Case, arch: int, unspecialised: bool = False) -> Row:
@@ -241,10 +281,12 @@ def compile_case(case: Case, arch: int, unspecialised: bool = False) -> Row:
         ops = _sass(get_ptxas(arch).path, kernel.asm["cubin"], tmp)
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    per_thread = _executed(ops, loops(case, unspecialised)) if case.trips else 0.0
+    trips, warps = loops(case, unspecialised), case.options["num_warps"] * case.programs
+    executed = {pipe: _executed([op for op in ops if op[1].startswith(prefixes)], trips, all_ops=ops) * warps
+                for pipe, prefixes in _PIPE_OPS.items()}
     return Row(case, registers=int(regs.group(1)), spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)),
                shared=kernel.metadata.shared, seconds=compiled_s, sass=_sass_counts(ops),
-               executed=per_thread * case.options["num_warps"] * case.programs)
+               executed=executed if case.programs and executed["issue"] else {})
 
 
 def _sass(ptxas: str, cubin: bytes, tmp: str) -> list[tuple[int, str, int | None]]:
@@ -278,13 +320,15 @@ def loops(case: Case, unspecialised: bool = False) -> tuple[int, ...]:
     return tuple(n for arg, n in case.trips if n != 1 or (arg is not None and arg not in specialised))
 
 
-def _executed(ops: list[tuple[int, str, int | None]], trips: tuple[int, ...]) -> float:
+def _executed(ops: list[tuple[int, str, int | None]], trips: tuple[int, ...],
+              all_ops: list[tuple[int, str, int | None]] | None = None) -> float:
     """Instructions one thread executes: each SASS instruction once per iteration of every loop around it. A loop is
     a backward branch (its target to the branch); its trip count is `trips` at its height (0: a loop with none
     inside, 1: around those, ...). Loops the compiler removed are the outermost (a constant trip count it unrolled, the
-    scan's channel walk), so fewer heights than trips take the innermost trips. 0.0 when there are more heights."""
+    scan's channel walk), so fewer heights than trips take the innermost trips. 0.0 when there are more heights.
+    `all_ops`: the whole listing, whose branches make the loops, when `ops` counts a subset of it (one pipe's)."""
     spans = {}
-    for addr, _, target in ops:
+    for addr, _, target in all_ops or ops:
         if target is not None and target < addr:  # a loop's back edge; its header is the target
             spans[target] = max(spans.get(target, addr), addr)
     loops = sorted(spans.items())
@@ -307,10 +351,12 @@ def _executed(ops: list[tuple[int, str, int | None]], trips: tuple[int, ...]) ->
 
 
 def table(rows: list[Row]) -> str:
-    """One line per row. `upd`: warp instructions per state update (the scan's; "-" for the others); `est ms`: the
-    launch at full issue on an H100 (`Row.estimate_ms`), an estimate, not measured."""
-    head = (f"{'kernel':<14} {'variant':<26} {'config':<27} {'regs':>5} {'spill st/ld (B)':>16} {'shared (B)':>11} {'s':>5} "
-            f"{'SASS':>6} {'exp':>5} {'sel':>5} {'shfl':>5} {'bar':>4} {'upd':>5} {'est ms':>7}")
+    """One line per row. `occ`: warps per SM; `upd`: warp instructions per state update (the scan's; "-" for the
+    others); `est ms`: the launch on an H100 at its busiest pipe's rate, `bound` (`Row.estimate_ms`), an estimate,
+    not measured."""
+    head = (f"{'kernel':<14} {'variant':<26} {'config':<27} {'regs':>5} {'spill st/ld (B)':>16} {'shared (B)':>11} "
+            f"{'occ':>4} {'s':>5} {'SASS':>6} {'exp':>5} {'sel':>5} {'shfl':>5} {'bar':>4} {'upd':>5} {'est ms':>7} "
+            f"{'bound':>5}")
     lines = [head, "-" * len(head)]
     for r in rows:
         c = r.case
@@ -318,10 +364,11 @@ def table(rows: list[Row]) -> str:
             lines.append(f"{c.kernel:<14} {c.variant:<26} {c.config:<27} FAILED: {r.error}")
         else:
             spill = f"{r.spill_stores}/{r.spill_loads}"
-            rate, ms = (f"{r.executed / c.updates:.2f}", f"{r.estimate_ms:.3f}") if r.executed else ("-", "-")
+            rate = f"{r.executed['issue'] / c.updates:.2f}" if r.executed and c.updates else "-"
+            ms, bound = (f"{r.estimate_ms:.3f}", r.bound) if r.executed else ("-", "-")
             lines.append(f"{c.kernel:<14} {c.variant:<26} {c.config:<27} {r.registers:>5} {spill:>16} {r.shared:>11} "
-                         f"{r.seconds:>5.1f} {r.sass['all']:>6} {r.sass['exp']:>5} {r.sass['sel']:>5} "
-                         f"{r.sass['shfl']:>5} {r.sass['bar']:>4} {rate:>5} {ms:>7}")
+                         f"{r.warps_per_sm:>4} {r.seconds:>5.1f} {r.sass['all']:>6} {r.sass['exp']:>5} "
+                         f"{r.sass['sel']:>5} {r.sass['shfl']:>5} {r.sass['bar']:>4} {rate:>5} {ms:>7} {bound:>5}")
     return "\n".join(lines)
 
 
