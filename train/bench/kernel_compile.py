@@ -174,11 +174,12 @@ def cases(dtypes: list[str], flag_sets: dict[str, dict], kernels: str = "", leng
                 # A program per (sequence, channel block, chunk); the fused kernels' per (sequence, channel block),
                 # walking the sequence in segments of CHUNKS chunks (two passes, one loop each).
                 columns = WKV_SHAPE["B"] * triton.cdiv(WKV_SHAPE["C"], constexprs["BLOCK_C"])
-                segments = triton.cdiv(wkv_ints["n_chunks"], constexprs.get("CHUNKS", 1))
-                fused = "CHUNKS" in constexprs
-                found.append(Case(kname, autotuner.fn, dtype, constexprs, options, dtype, wkv_ints,
-                                  (("n_chunks", segments),) if fused else (),
-                                  columns * (1 if fused else wkv_ints["n_chunks"])))
+                if "CHUNKS" in constexprs:
+                    segments = triton.cdiv(wkv_ints["n_chunks"], constexprs["CHUNKS"])
+                    trips, programs = (("n_chunks", segments),), columns
+                else:
+                    trips, programs = (), columns * wkv_ints["n_chunks"]
+                found.append(Case(kname, autotuner.fn, dtype, constexprs, options, dtype, wkv_ints, trips, programs))
         if dtype == dtypes[0]:  # the combine walk reads only fp32 scratch, at the one launch config wkv uses
             for fields in (6, 10):
                 found.append(Case(f"wkv.combine{fields}", wkv._combine_kernel, "fp32 scratch",
